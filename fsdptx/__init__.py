@@ -1,0 +1,65 @@
+"""fsdptx: composable, functional FSDP2 and tensor-parallel sharding.
+
+Plan purely, apply once::
+
+    pipeline = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
+    p = fsdptx.plan(model, pipeline, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    print(p)
+    fsdptx.apply_plan(p, model, mesh)
+"""
+
+from ._apply import PlanMismatchError, apply_plan, check_plan
+from ._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
+from ._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn
+from ._imperative import (
+    configure_fsdp_unused_param_reduction,
+    fully_shard_across_blocks,
+    fully_shard_by_dtype,
+    reject_unsupported_mtp_cp,
+    reject_unsupported_mtp_cp_pp,
+)
+from ._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduction
+from ._plan import Plan, Reduction, Unit
+from ._planner import PlanningError
+from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
+from ._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
+from ._tree import (
+    get_module_from_path,
+    iter_maximal_uniform_dtype_subtrees,
+    iter_unique_named_buffers,
+    iter_unique_named_parameters,
+)
+
+__all__ = [
+    "DEFAULT_MAX_BUFFER_BYTES",
+    "Plan",
+    "PlanMismatchError",
+    "PlanningError",
+    "Reduction",
+    "Transform",
+    "Unit",
+    "apply_plan",
+    "check_plan",
+    "compose",
+    "configure_fsdp_unused_param_reduction",
+    "exclude_from_tp_replica_sync",
+    "fully_shard_across_blocks",
+    "fully_shard_by_dtype",
+    "get_internal_fsdp_mp_policy",
+    "get_module_from_path",
+    "gradient_chunks",
+    "gradient_reduce_dtype",
+    "group_params_by_dtype",
+    "iter_maximal_uniform_dtype_subtrees",
+    "iter_unique_named_buffers",
+    "iter_unique_named_parameters",
+    "make_compute_dtype_fn",
+    "mark_reduction",
+    "mark_tp_replica_gradient_reduction",
+    "mp_policy_with_param_dtype",
+    "plan",
+    "reject_unsupported_mtp_cp",
+    "reject_unsupported_mtp_cp_pp",
+    "shard_across_blocks",
+    "shard_by_dtype",
+]

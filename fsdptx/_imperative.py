@@ -1,0 +1,150 @@
+"""Seed-compatible imperative API, built on the same planner and apply step as
+the composable pipeline: each function plans, then calls ``apply_plan``."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from ._apply import ShardModule, apply_plan
+from ._plan import CrossBlockRequest, DtypeRequest, Plan
+from ._planner import ModelIndex, resolve_units
+
+__all__ = [
+    "configure_fsdp_unused_param_reduction",
+    "fully_shard_across_blocks",
+    "fully_shard_by_dtype",
+    "reject_unsupported_mtp_cp",
+    "reject_unsupported_mtp_cp_pp",
+]
+
+
+def fully_shard_by_dtype(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+    fp32_compute_module_names: Sequence[str] = (),
+    reshard_after_forward: bool | int | None = None,
+    ignored_params: Collection[nn.Parameter] | None = None,
+    *,
+    shard_module: ShardModule = fully_shard,
+) -> None:
+    """Fully shard ``module`` so every parameter computes in its required dtype.
+
+    The bulk computes in ``mp_policy.param_dtype``; parameters that must stay
+    fp32 (pinned by name, or recorded fp32 at load) get fp32 units of their
+    own. Parameters group by (storage, compute) dtype: 1 group -> ``module``
+    is one unit; 2 -> each maximal subtree of the smaller group alone, then
+    ``module`` with the larger; 3+ -> every maximal uniform subtree alone
+    (plus ``module`` when it must keep ``ignored_params``). Everything is
+    planned first; a parameter that cannot be isolated raises ``ValueError``
+    naming it before anything is sharded. ``ignored_params`` (owned by another
+    unit or parallelism) are never grouped and are forwarded only to the
+    units that contain them.
+    """
+    index = ModelIndex.build(module)
+    ignored = tuple(index.param_fqn[id(p)] for p in ignored_params or () if id(p) in index.param_fqn)
+    request = DtypeRequest(
+        targets=("",),
+        fp32_compute_module_names=tuple(fp32_compute_module_names),
+        ignored_params=ignored,
+        reshard_after_forward=reshard_after_forward,
+        always_shard_root=False,
+    )
+    units = resolve_units(
+        module,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        cross_blocks=(),
+        dtype_request=request,
+        index=index,
+    )
+    apply_plan(Plan(units=units), module, mesh, shard_module=shard_module)
+
+
+def fully_shard_across_blocks(
+    blocks: Sequence[nn.Module],
+    module_names: Sequence[str],
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+    *,
+    shard_module: ShardModule = fully_shard,
+) -> set[nn.Parameter]:
+    """Put every block's instance of each named fp32 holder into ONE FSDP unit.
+
+    A holder whose forward ignores its input never fires FSDP2's per-unit
+    post-backward hook, so N blocks' holders become N serialized
+    reduce-scatters after backward; one unit across blocks makes it one. The
+    unit computes and reduces in fp32, returns its natural output, and is not
+    resharded after forward (a few KiB kept resident saves an all-gather per
+    block and per checkpoint recompute). Checkpoint wrappers are looked
+    through. Returns the owned parameters as they are after sharding (DTensor
+    parameters), for use as ``ignored_params`` of the enclosing units.
+    """
+    holder = nn.ModuleList(blocks)  # a view for FQNs "0.attn.sinks"; blocks are not changed
+    units = resolve_units(
+        holder,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        cross_blocks=(CrossBlockRequest(tuple(str(i) for i in range(len(blocks))), tuple(module_names)),),
+        dtype_request=None,
+    )
+    apply_plan(Plan(units=units), holder, mesh, shard_module=shard_module)
+    return {holder.get_parameter(f) for u in units for f in u.params}
+
+
+def configure_fsdp_unused_param_reduction(module: nn.Module) -> int:
+    """Make every FSDP unit under ``module`` reduce-scatter zeros for unused
+    parameters; returns the number of units configured.
+
+    With packed or modality-dependent context-parallel batches a module may run
+    on only some ranks. A rank whose gradient is ``None`` would otherwise skip
+    the unit's reduce-scatter while its peers wait in it: the job hangs, or
+    peers' contributions are lost. Zero-filling keeps the collective sequence
+    identical everywhere, as DDP's unused-parameter handling does.
+    """
+    seen: set[int] = set()
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = fully_shard.state(m)  # type: ignore[attr-defined]
+        if id(state) in seen:
+            continue  # a multi-module unit shares one state
+        seen.add(id(state))
+        m.set_reduce_scatter_unused_params(True, recurse=False)
+    return len(seen)
+
+
+def _supports(model: nn.Module, flag: str) -> bool:
+    return bool(getattr(getattr(model, "supports", None), flag, False))
+
+
+def reject_unsupported_mtp_cp(model: nn.Module) -> None:
+    """Raise if multi-token prediction is enabled but the model has not declared
+    context-parallel support (``model.supports.supports_mtp_cp``): MTP heads
+    shift the sequence, which CP's sequence split would silently corrupt."""
+    if _supports(model, "mtp_enabled") and not _supports(model, "supports_mtp_cp"):
+        raise ValueError(
+            f"{type(model).__name__} has multi-token prediction enabled but does not declare "
+            "supports.supports_mtp_cp; disable MTP or context parallelism for this model"
+        )
+
+
+def reject_unsupported_mtp_cp_pp(model: nn.Module, pp_size: int | None = None) -> None:
+    """Raise on MTP + context parallelism + pipeline parallelism unless the model
+    declares ``supports.supports_mtp_cp_pp``. Call only when CP is active; with
+    no pipeline (``pp_size`` None or 1) this is :func:`reject_unsupported_mtp_cp`."""
+    reject_unsupported_mtp_cp(model)
+    if pp_size is not None and pp_size > 1 and _supports(model, "mtp_enabled") and not _supports(
+        model, "supports_mtp_cp_pp"
+    ):
+        raise ValueError(
+            f"{type(model).__name__} has multi-token prediction enabled with context parallelism "
+            f"and pipeline parallelism (pp_size={pp_size}) but does not declare "
+            "supports.supports_mtp_cp_pp; disable MTP, or run without pipeline parallelism"
+        )

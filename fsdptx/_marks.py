@@ -1,0 +1,72 @@
+"""TP-replica marks: which reduction a replicated gradient gets, and which
+subtrees stay rank-local.
+
+Marks live on modules, not on parameter objects: ``fully_shard`` replaces a
+module's parameters with new DTensor parameters, but keeps the module (and its
+``__dict__``), so a mark set before sharding is still there after it.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ._plan import REDUCTIONS, Reduction
+
+__all__ = [
+    "exclude_from_tp_replica_sync",
+    "is_excluded_from_tp_replica_sync",
+    "mark_tp_replica_gradient_reduction",
+    "tp_replica_reduction",
+]
+
+_REDUCTION_ATTR = "_fsdptx_tp_replica_reductions"
+_EXCLUDE_ATTR = "_fsdptx_tp_replica_sync_excluded"
+
+
+def check_reduction(reduction: object, where: str) -> Reduction:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{where}: unknown TP-replica reduction {reduction!r}; use one of {REDUCTIONS}")
+    return reduction  # type: ignore[return-value]
+
+
+def mark_tp_replica_gradient_reduction(module: nn.Module, reduction: Reduction) -> None:
+    """Mark ``module``'s direct parameters with their TP-replica reduction.
+
+    ``"mean"``: every TP rank computed the full gradient redundantly, so the
+    replicas are averaged. ``"sum"``: each TP rank contributed a disjoint part
+    (e.g. a router that sees only its sequence shard), so the parts are added.
+    Unmarked replicated parameters use ``"mean"``.
+    """
+    check_reduction(reduction, f"mark_tp_replica_gradient_reduction({type(module).__name__})")
+    marks: dict[str, Reduction] = dict(getattr(module, _REDUCTION_ATTR, {}))
+    marks.update({name: reduction for name, p in module._parameters.items() if p is not None})
+    setattr(module, _REDUCTION_ATTR, marks)
+
+
+def mark_parameter_reduction(module: nn.Module, name: str, reduction: Reduction) -> None:
+    """Mark one direct parameter (by its local name); what ``apply_plan`` uses."""
+    marks: dict[str, Reduction] = dict(getattr(module, _REDUCTION_ATTR, {}))
+    marks[name] = reduction
+    setattr(module, _REDUCTION_ATTR, marks)
+
+
+def tp_replica_reduction(module: nn.Module, name: str) -> Reduction:
+    """The reduction of ``module``'s direct parameter ``name`` (``"mean"`` unless marked)."""
+    marks: dict[str, Reduction] = getattr(module, _REDUCTION_ATTR, {})
+    return marks.get(name, "mean")
+
+
+def exclude_from_tp_replica_sync(module: nn.Module) -> None:
+    """Keep ``module``'s whole subtree rank-local.
+
+    For owners that shard over a mesh folding the TP ranks into another axis
+    (expert parallelism): their local tensors are different shards, not
+    replicas, even though nothing in their type says so. Neither their
+    parameters nor their buffers are broadcast or reduced.
+    """
+    setattr(module, _EXCLUDE_ATTR, True)
+
+
+def is_excluded_from_tp_replica_sync(module: nn.Module) -> bool:
+    """Whether ``module`` itself carries the exclusion mark (ancestors not consulted)."""
+    return bool(getattr(module, _EXCLUDE_ATTR, False))

@@ -1,0 +1,373 @@
+"""Pure planning: turn a model and a request into FSDP units.
+
+One model index is built per call; dtype units and cross-block units are then
+resolved in application order while tracking which modules are already
+"sharded" in the plan, exactly as ``fully_shard`` would see them. Each module
+is visited a bounded number of times, so planning is linear in model size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+
+from ._dtypes import compute_dtype
+from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind
+from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
+from ._tree import get_module_from_path, join_fqn, maximal_uniform_subtrees, walk_modules
+
+__all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_units"]
+
+DtypeKey = tuple[torch.dtype, torch.dtype]  # (storage, compute)
+
+
+class PlanningError(ValueError):
+    """A request cannot be planned for this model; raised before any mutation."""
+
+
+def is_container(module: nn.Module) -> bool:
+    """``fully_shard`` rejects ModuleList/ModuleDict that do not define forward."""
+    return (
+        isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        and type(module).forward is nn.Module.forward
+    )
+
+
+def unwrap_checkpoint(module: nn.Module) -> nn.Module:
+    """Look through activation-checkpoint wrappers (``_checkpoint_wrapped_module``)."""
+    inner = module._modules.get("_checkpoint_wrapped_module")
+    while inner is not None:
+        module = inner
+        inner = module._modules.get("_checkpoint_wrapped_module")
+    return module
+
+
+@dataclass
+class ModelIndex:
+    """FQN <-> object tables for one model, built in one walk.
+
+    Parameter FQNs are canonical: the first name in registration order, as
+    ``named_parameters()`` reports it. ``names`` keeps every name of a tied
+    parameter, because a pinned-fp32 token may appear in any of them.
+    """
+
+    root: nn.Module
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    fqn_of_module: dict[int, str] = field(default_factory=dict)
+    param_fqn: dict[int, str] = field(default_factory=dict)
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+    names: dict[int, list[str]] = field(default_factory=dict)
+    sharded: set[int] = field(default_factory=set)
+
+    @classmethod
+    def build(cls, root: nn.Module) -> ModelIndex:
+        index = cls(root)
+        for fqn, module in walk_modules(root):
+            index.modules[fqn] = module
+            index.fqn_of_module[id(module)] = fqn
+            if isinstance(module, FSDPModule):
+                index.sharded.add(id(module))
+            for name, p in module._parameters.items():
+                if p is None:
+                    continue
+                pfqn = join_fqn(fqn, name)
+                index.names.setdefault(id(p), []).append(pfqn)
+                if id(p) not in index.param_fqn:
+                    index.param_fqn[id(p)] = pfqn
+                    index.params[pfqn] = p
+        return index
+
+    def module(self, fqn: str, what: str) -> nn.Module:
+        found = self.modules.get(fqn)
+        if found is None:
+            try:
+                get_module_from_path(self.root, fqn)
+            except AttributeError as e:
+                raise PlanningError(f"{what}: {e}") from None
+            raise PlanningError(f"{what}: module {fqn!r} is not reachable from the model root")
+        return found
+
+
+def claim(
+    index: ModelIndex, roots: Sequence[nn.Module], stop: set[int]
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters ``fully_shard(roots)`` would manage, before ignoring any:
+    direct parameters of every module reachable from ``roots`` without entering
+    a module already sharded (``stop``). Each tied parameter once."""
+    root_ids = {id(r) for r in roots}
+    seen_modules: set[int] = set()
+    seen_params: set[int] = set()
+    out: list[tuple[str, nn.Parameter]] = []
+    stack = list(reversed(roots))
+    while stack:
+        m = stack.pop()
+        if id(m) in seen_modules or (id(m) in stop and id(m) not in root_ids):
+            continue
+        seen_modules.add(id(m))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen_params:
+                seen_params.add(id(p))
+                out.append((index.param_fqn[id(p)], p))
+        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+    return out
+
+
+@dataclass
+class _Resolver:
+    """Mutable scratch state for one resolution; never escapes ``resolve_units``."""
+
+    index: ModelIndex
+    mp_policy: MixedPrecisionPolicy | None
+    offload_policy: OffloadPolicy | None
+    excluded: set[int]  # params owned elsewhere or ignored: never grouped, never claimed
+    sharded: set[int]  # modules that are, or will be by then, FSDP modules
+    units: list[Unit] = field(default_factory=list)
+
+    def add(
+        self,
+        modules: Sequence[nn.Module],
+        kind: UnitKind,
+        policy: MixedPrecisionPolicy | None,
+        reshard: bool | int | None,
+        keys: dict[int, DtypeKey],
+    ) -> Unit:
+        claimed = claim(self.index, modules, self.sharded)
+        owned = [(f, p) for f, p in claimed if id(p) not in self.excluded]
+        ignored = tuple(f for f, p in claimed if id(p) in self.excluded)
+        storage = {keys[id(p)][0] for _, p in owned}
+        compute = {keys[id(p)][1] for _, p in owned}
+        unit = Unit(
+            modules=tuple(self.index.fqn_of_module[id(m)] for m in modules),
+            params=tuple(f for f, _ in owned),
+            ignored_params=ignored,
+            kind=kind,
+            storage_dtype=storage.pop() if len(storage) == 1 else None,
+            compute_dtype=compute.pop() if len(compute) == 1 else None,
+            mp_policy=policy,
+            offload_policy=self.offload_policy,
+            reshard_after_forward=reshard,
+            numel=sum(p.numel() for _, p in owned),
+            nbytes=sum(p.numel() * p.element_size() for _, p in owned),
+        )
+        self.units.append(unit)
+        self.sharded.update(id(m) for m in modules)
+        self.excluded.update(id(p) for _, p in owned)
+        return unit
+
+
+def param_keys(
+    index: ModelIndex, mp_policy: MixedPrecisionPolicy | None, fp32_tokens: Collection[str]
+) -> dict[int, DtypeKey]:
+    """(storage, compute) dtype of every parameter, resolved once."""
+    return {
+        pid: (p.dtype, compute_dtype(p, index.names[pid], mp_policy, fp32_tokens))
+        for pid, p in ((id(p), p) for p in index.params.values())
+    }
+
+
+def _shardable(fqn: str, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """A container cannot be a unit: shard its elements instead."""
+    if not is_container(module):
+        yield fqn, module
+        return
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _shardable(join_fqn(fqn, name), child)
+
+
+def _plan_target(
+    r: _Resolver,
+    fqn: str,
+    keys: dict[int, DtypeKey],
+    reshard: bool | int | None,
+    is_root: bool,
+) -> None:
+    """Plan the dtype units of one target module (a block, or the root ``""``).
+
+    1 (storage, compute) group -> the target alone; 2 groups -> every maximal
+    subtree of the minority group alone, then the target with the majority;
+    3+ -> every maximal uniform subtree alone, plus the target when it must
+    keep ignored parameters (or is the root). Child units are internal (no
+    ``output_dtype``); the target keeps the caller's boundary policy.
+    """
+    index = r.index
+    target = index.module(fqn, "shard_by_dtype target")
+    if id(target) in r.sharded:
+        return
+    kind: UnitKind = "root" if is_root else "block"
+    claimed = claim(index, [target], r.sharded)
+    counts: dict[DtypeKey, int] = {}
+    for _f, p in claimed:
+        if id(p) not in r.excluded:
+            counts[keys[id(p)]] = counts.get(keys[id(p)], 0) + 1
+    has_ignored = len(claimed) > sum(counts.values())
+    groups = list(counts)  # in registration order
+    if len(groups) <= 1:
+        if groups or is_root:
+            param_dtype = groups[0][1] if groups else None
+            policy = r.mp_policy if param_dtype is None else mp_policy_with_param_dtype(r.mp_policy, param_dtype)
+            r.add([target], kind, policy, reshard, keys)
+        return
+
+    def key_of(_f: str, m: nn.Module) -> list[Hashable]:
+        return [keys[id(p)] for p in m._parameters.values() if p is not None and id(p) not in r.excluded]
+
+    subtrees = [
+        (f, m, k)
+        for f, m, k in maximal_uniform_subtrees(target, key_of, fqn, stop=r.sharded)
+        if m is not target
+    ]
+    majority: DtypeKey | None = None
+    if len(groups) == 2:
+        # Fewest parameters is the minority; on a tie, the group met later.
+        minority = min(reversed(groups), key=lambda k: counts[k])
+        majority = groups[0] if minority == groups[1] else groups[1]
+        subtrees = [(f, m, k) for f, m, k in subtrees if k == minority]
+    for f, m, k in subtrees:
+        compute: torch.dtype = k[1]  # type: ignore[index]
+        policy = get_internal_fsdp_mp_policy(mp_policy_with_param_dtype(r.mp_policy, compute))
+        for _cf, child in _shardable(f, m):
+            r.add([child], "dtype", policy, reshard, keys)
+    stray = [(f, keys[id(p)]) for f, p in claimed if id(p) not in r.excluded and keys[id(p)] != majority]
+    if stray:
+        raise PlanningError(_isolation_message(stray, fqn))
+    if majority is not None:
+        r.add([target], kind, mp_policy_with_param_dtype(r.mp_policy, majority[1]), reshard, keys)
+    elif is_root or has_ignored:
+        r.add([target], kind, r.mp_policy, reshard, keys)
+
+
+def _isolation_message(stray: list[tuple[str, DtypeKey]], target: str) -> str:
+    owners = sorted({f.rpartition(".")[0] or "<root>" for f, _ in stray})
+    listed = ", ".join(
+        f"{f} ({str(k[0]).removeprefix('torch.')}->{str(k[1]).removeprefix('torch.')})" for f, k in stray
+    )
+    return (
+        f"cannot give every parameter of {target or '<root>'!r} a dtype-uniform FSDP unit: "
+        f"{listed} sit directly on module(s) {', '.join(owners)} beside parameters of another "
+        "(storage, compute) dtype. Move them into a submodule of their own, give them one "
+        "storage dtype, or pass them as ignored_params."
+    )
+
+
+def plan_dtype_units(
+    r: _Resolver, request: DtypeRequest, fp32_tokens: Collection[str]
+) -> None:
+    keys = param_keys(r.index, r.mp_policy, fp32_tokens)
+    for fqn in request.ignored_params:
+        p = r.index.params.get(fqn)
+        if p is None:
+            raise PlanningError(f"shard_by_dtype: ignored parameter {fqn!r} is not a parameter of the model")
+        r.excluded.add(id(p))
+    for fqn in request.targets:
+        is_root = fqn == "" and request.always_shard_root
+        _plan_target(r, fqn, keys, request.reshard_after_forward, is_root)
+
+
+def plan_cross_block_units(
+    r: _Resolver, blocks: Sequence[str], names: Sequence[str]
+) -> None:
+    """One unit per dotted name, spanning every block's instance of it.
+
+    Holders whose forward ignores its input never trigger FSDP2's per-unit
+    post-backward hook, so each would be reduce-scattered alone after the whole
+    backward; one unit across blocks makes that one collective, and keeping it
+    unsharded after forward (a few KiB) avoids a re-gather per block and per
+    checkpoint recompute.
+    """
+    index = r.index
+    keys = {pid: (p.dtype, p.dtype) for pid, p in ((id(p), p) for p in index.params.values())}
+    policy = get_internal_fsdp_mp_policy(mp_policy_with_param_dtype(r.mp_policy, torch.float32))
+    block_modules = [(b, unwrap_checkpoint(index.module(b, "shard_across_blocks block"))) for b in blocks]
+    for name in names:
+        found: list[nn.Module] = []
+        for _b, block in block_modules:
+            try:
+                found.append(get_module_from_path(block, name))
+            except AttributeError:
+                continue
+        if not found:
+            raise PlanningError(
+                f"shard_across_blocks: no block has a submodule {name!r} "
+                f"(searched {len(blocks)} blocks: {_preview(blocks)}); fix the name in "
+                "_fsdp_shard_across_blocks or module_names="
+            )
+        bad = [
+            (f, p.dtype)
+            for f, p in claim(index, found, r.sharded)
+            if p.dtype != torch.float32 and id(p) not in r.excluded
+        ]
+        if bad:
+            raise PlanningError(
+                f"shard_across_blocks: {name!r} must hold only fp32 parameters (its unit computes "
+                "and reduces in fp32), but "
+                + ", ".join(f"{f} is {str(d).removeprefix('torch.')}" for f, d in bad)
+                + "; store them in fp32 or drop the name from the cross-block list"
+            )
+        unit = r.add(found, "cross-block", policy, False, keys)
+        if not unit.params:
+            raise PlanningError(
+                f"shard_across_blocks: {name!r} matched {len(found)} modules but they hold no "
+                "parameter not already owned by another unit"
+            )
+
+
+def _preview(items: Sequence[str], n: int = 3) -> str:
+    shown = ", ".join(repr(i) for i in items[:n])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def resolve_units(
+    model: nn.Module,
+    *,
+    mp_policy: MixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+    cross_blocks: Sequence[CrossBlockRequest],
+    dtype_request: DtypeRequest | None,
+    index: ModelIndex | None = None,
+) -> tuple[Unit, ...]:
+    """All units, in application order: cross-block units first (their
+    holders are excluded from dtype grouping whatever the transform order),
+    then each dtype target's children before the target itself."""
+    idx = index or ModelIndex.build(model)
+    r = _Resolver(idx, mp_policy, offload_policy, excluded=set(), sharded=set(idx.sharded))
+    for req in cross_blocks:
+        plan_cross_block_units(r, req.blocks, req.names)
+    if dtype_request is not None:
+        plan_dtype_units(r, dtype_request, dtype_request.fp32_compute_module_names)
+    return tuple(r.units)
+
+
+def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[str, ...]:
+    """The model's repeated blocks, by the conventions models already declare.
+
+    ``_no_split_modules`` class names (Hugging Face's marker for "keep this
+    module whole") win; a block wrapped for activation checkpointing is taken
+    with its wrapper. Otherwise the elements of the largest ``nn.ModuleList``.
+    Matches nested inside another match are not blocks of their own.
+    """
+    idx = index or ModelIndex.build(model)
+    class_names = set(getattr(model, "_no_split_modules", None) or ())
+    found: list[str] = []
+    if class_names:
+        for fqn, module in idx.modules.items():
+            if type(module).__name__ not in class_names or not fqn:
+                continue
+            parent, _, leaf = fqn.rpartition(".")
+            if leaf == "_checkpoint_wrapped_module":
+                fqn = parent
+            if not any(fqn.startswith(f + ".") for f in found[-1:]):
+                found.append(fqn)
+        if found:
+            return tuple(found)
+    best: tuple[str, nn.Module] | None = None
+    for fqn, module in idx.modules.items():
+        if type(module) is nn.ModuleList and (best is None or len(module) > len(best[1])):
+            best = (fqn, module)
+    if best is None:
+        return ()
+    return tuple(join_fqn(best[0], n) for n, c in best[1]._modules.items() if c is not None)

@@ -1,0 +1,250 @@
+"""Pure transforms ``(model, Plan) -> Plan`` and their combinator.
+
+Each transform is usable bare (its defaults come from what the model declares)
+or configured with keyword-only options through ``functools.partial``. None of
+them touches the model: they read it and return a new Plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Mapping, Sequence
+from fnmatch import fnmatchcase
+from typing import Protocol
+
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction
+from ._planner import ModelIndex, PlanningError, discover_blocks, resolve_units
+
+__all__ = [
+    "Transform",
+    "compose",
+    "mark_reduction",
+    "plan",
+    "shard_across_blocks",
+    "shard_by_dtype",
+]
+
+
+class Transform(Protocol):
+    """Reads a model and returns a new Plan; never mutates either."""
+
+    def __call__(self, model: nn.Module, plan: Plan, /) -> Plan: ...
+
+
+def transform_name(t: object) -> str:
+    """A readable name for a transform, seeing through ``functools.partial``."""
+    if isinstance(t, functools.partial):
+        return f"partial({transform_name(t.func)}, ...)"
+    return getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or repr(t)
+
+
+def _checked(t: Transform, model: nn.Module, p: Plan) -> Plan:
+    result = t(model, p)
+    if not isinstance(result, Plan):
+        raise TypeError(
+            f"transform {transform_name(t)} returned {type(result).__name__}, not a Plan; "
+            "a transform must return the new Plan (e.g. plan.replace(...))"
+        )
+    return result
+
+
+def compose(*transforms: Transform) -> Transform:
+    """Chain transforms left to right into one transform.
+
+    For ``shard_by_dtype``, ``shard_across_blocks`` and ``mark_reduction`` the
+    result does not depend on argument order: cross-block units always own their
+    holders and dtype units always exclude them, because both transforms
+    re-resolve units from the requests recorded in the Plan.
+    """
+
+    def composed(model: nn.Module, p: Plan, /) -> Plan:
+        for t in transforms:
+            p = _checked(t, model, p)
+        return p
+
+    composed.__qualname__ = "compose(" + ", ".join(transform_name(t) for t in transforms) + ")"
+    return composed
+
+
+def plan(
+    model: nn.Module,
+    transform: Transform,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+) -> Plan:
+    """Run ``transform`` on an empty Plan carrying these defaults.
+
+    ``mp_policy=None`` means mixed precision disabled. Pure: the model is only
+    read, so this is safe on a meta-device skeleton or a live model alike.
+    """
+    start = Plan(
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        reshard_after_forward=reshard_after_forward,
+    )
+    return _checked(transform, model, start)
+
+
+def _resolve(model: nn.Module, p: Plan, index: ModelIndex) -> Plan:
+    units = resolve_units(
+        model,
+        mp_policy=p.mp_policy,
+        offload_policy=p.offload_policy,
+        cross_blocks=p.cross_block_requests,
+        dtype_request=p.dtype_request,
+        index=index,
+    )
+    return p.replace(units=units)
+
+
+def _tuple_of_str(value: object, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    items = tuple(value)  # type: ignore[call-overload]
+    bad = [v for v in items if not isinstance(v, str)]
+    if bad:
+        raise TypeError(f"{what} must be strings, got {bad!r}")
+    return items
+
+
+def shard_by_dtype(
+    model: nn.Module,
+    plan: Plan,
+    /,
+    *,
+    blocks: Sequence[str] | None = None,
+    fp32_compute_module_names: Collection[str] | None = None,
+    ignored_params: Collection[str] = (),
+    reshard_after_forward: bool | int | None = None,
+) -> Plan:
+    """Plan dtype-uniform FSDP units for every block, then the root.
+
+    The root comes last and owns what no block unit owns (embeddings, final
+    norm, head), so after apply every parameter belongs to exactly one unit.
+    Each target follows the 1 / 2 / 3+ (storage, compute) group rule of
+    :func:`fsdptx.fully_shard_by_dtype`.
+
+    Defaults come from the model: ``blocks`` from ``_no_split_modules`` (or the
+    largest ``nn.ModuleList``), pinned fp32 name tokens from
+    ``_keep_in_fp32_modules_strict``. ``ignored_params`` are parameter FQNs no
+    unit may own (another parallelism owns them). ``reshard_after_forward``
+    falls back to the Plan's default.
+    """
+    index = ModelIndex.build(model)
+    targets = tuple(blocks) if blocks is not None else discover_blocks(model, index)
+    tokens = (
+        _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
+        if fp32_compute_module_names is not None
+        else _tuple_of_str(getattr(model, "_keep_in_fp32_modules_strict", None), "_keep_in_fp32_modules_strict")
+    )
+    request = DtypeRequest(
+        targets=tuple(t for t in targets if t) + ("",),
+        fp32_compute_module_names=tokens,
+        ignored_params=_tuple_of_str(ignored_params, "ignored_params"),
+        reshard_after_forward=(
+            reshard_after_forward if reshard_after_forward is not None else plan.reshard_after_forward
+        ),
+    )
+    return _resolve(model, plan.replace(dtype_request=request), index)
+
+
+def shard_across_blocks(
+    model: nn.Module,
+    plan: Plan,
+    /,
+    *,
+    blocks: Sequence[str] | None = None,
+    module_names: Sequence[str] | None = None,
+) -> Plan:
+    """Plan one FSDP unit per name, spanning every block's instance of it.
+
+    Defaults: ``blocks`` as in :func:`shard_by_dtype`, ``module_names`` from the
+    model's ``_fsdp_shard_across_blocks``. A model that declares no names gets
+    the Plan back unchanged, so the transform is safe in a generic pipeline.
+    """
+    names = (
+        _tuple_of_str(module_names, "module_names")
+        if module_names is not None
+        else _tuple_of_str(getattr(model, "_fsdp_shard_across_blocks", None), "_fsdp_shard_across_blocks")
+    )
+    if not names:
+        return plan
+    index = ModelIndex.build(model)
+    targets = tuple(blocks) if blocks is not None else discover_blocks(model, index)
+    if not targets:
+        raise PlanningError(
+            f"shard_across_blocks: found no blocks in {type(model).__name__} for {list(names)}; "
+            "declare _no_split_modules or pass blocks="
+        )
+    request = CrossBlockRequest(blocks=targets, names=names)
+    return _resolve(
+        model, plan.replace(cross_block_requests=plan.cross_block_requests + (request,)), index
+    )
+
+
+def _matching(index: ModelIndex, pattern: str) -> list[str]:
+    return [f for f in index.modules if fnmatchcase(f, pattern)]
+
+
+def mark_reduction(
+    model: nn.Module,
+    plan: Plan,
+    /,
+    *,
+    reductions: Mapping[str, str] | None = None,
+    exclude: Collection[str] | None = None,
+) -> Plan:
+    """Record TP-replica gradient reductions and exclusions in the Plan.
+
+    ``reductions`` maps a module-FQN glob to ``"mean"`` (replicas computed the
+    same thing redundantly) or ``"sum"`` (replicas hold disjoint partial
+    contributions); it marks the matched modules' direct parameters.
+    ``exclude`` globs name subtrees that stay rank-local. Defaults come from
+    ``_tp_replica_reductions`` and ``_tp_replica_sync_exclude``. A glob that
+    matches nothing is an error: it is almost always a typo that would
+    otherwise silently leave gradients unsynchronized.
+    """
+    marks = dict(reductions if reductions is not None else getattr(model, "_tp_replica_reductions", None) or {})
+    globs = _tuple_of_str(
+        exclude if exclude is not None else getattr(model, "_tp_replica_sync_exclude", None), "exclude"
+    )
+    bad = {g: r for g, r in marks.items() if r not in REDUCTIONS}
+    if bad:
+        raise ValueError(
+            "mark_reduction: unknown reduction "
+            + ", ".join(f"{r!r} for {g!r}" for g, r in bad.items())
+            + f"; use one of {REDUCTIONS}"
+        )
+    index = ModelIndex.build(model)
+    out: dict[str, Reduction] = dict(plan.reductions)
+    source: dict[str, str] = {}
+    for pattern, reduction in marks.items():
+        matched = _matching(index, pattern)
+        if not matched:
+            raise PlanningError(f"mark_reduction: reduction glob {pattern!r} matches no module of the model")
+        for fqn in matched:
+            for p in index.modules[fqn]._parameters.values():
+                if p is None:
+                    continue
+                pfqn = index.param_fqn[id(p)]
+                if out.get(pfqn, reduction) != reduction:
+                    raise PlanningError(
+                        f"mark_reduction: parameter {pfqn!r} is marked both {out[pfqn]!r}"
+                        f" (by {source.get(pfqn, 'an earlier mark')!r}) and {reduction!r} (by {pattern!r})"
+                    )
+                out[pfqn] = reduction  # type: ignore[assignment]
+                source[pfqn] = pattern
+    excluded = list(plan.exclusions)
+    for pattern in globs:
+        matched = _matching(index, pattern)
+        if not matched:
+            raise PlanningError(f"mark_reduction: exclusion glob {pattern!r} matches no module of the model")
+        excluded.extend(f for f in matched if f not in excluded)
+    return plan.replace(reductions=out, exclusions=tuple(excluded))

@@ -1,0 +1,259 @@
+"""Module-tree traversal: uniform-dtype subtrees, dotted paths, rank-stable tensor order.
+
+Everything here is pure: it reads ``nn.Module`` structure and never mutates it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
+from typing import Literal, overload
+
+import torch
+from torch import nn
+
+__all__ = [
+    "get_module_from_path",
+    "iter_maximal_uniform_dtype_subtrees",
+    "iter_unique_named_buffers",
+    "iter_unique_named_parameters",
+    "join_fqn",
+    "walk_modules",
+]
+
+UniformSubtreeItem = tuple[nn.Module, torch.dtype] | tuple[str, nn.Module, torch.dtype]
+
+# Subtree states: a key (uniform), _EMPTY (no tensor considered) or _MIXED.
+_EMPTY = object()
+_MIXED = object()
+
+
+def join_fqn(prefix: str, name: str) -> str:
+    """Join a module FQN and a child name; the root's FQN is ``""``."""
+    return f"{prefix}.{name}" if prefix else name
+
+
+def walk_modules(root: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """Pre-order ``(fqn, module)`` pairs in registration order, each module once.
+
+    Equivalent to ``named_modules()`` but iterative, so a deep model cannot hit
+    the recursion limit, and returned as a list because every caller walks it
+    more than once (forwards for structure, backwards for subtree summaries).
+    """
+    seen: set[int] = set()
+    out: list[tuple[str, nn.Module]] = []
+    stack: list[tuple[str, nn.Module]] = [(prefix, root)]
+    while stack:
+        fqn, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        out.append((fqn, module))
+        children = [(join_fqn(fqn, n), c) for n, c in module._modules.items() if c is not None]
+        stack.extend(reversed(children))
+    return out
+
+
+def _direct_tensors(module: nn.Module, include_buffers: bool) -> Iterator[torch.Tensor]:
+    for p in module._parameters.values():
+        if p is not None:
+            yield p
+    if include_buffers:
+        for b in module._buffers.values():
+            if b is not None:
+                yield b
+
+
+def subtree_keys(
+    root: nn.Module,
+    key_of: Callable[[str, nn.Module], Iterable[Hashable]],
+    prefix: str = "",
+    stop: Collection[int] = (),
+) -> dict[int, object]:
+    """Summarise every module's subtree as one key, ``_EMPTY`` or ``_MIXED``.
+
+    An iterative post-order walk combines each module once from its direct
+    keys and its children's summaries: linear in modules plus tensors. A module
+    registered under two parents is summarised once (first path, as
+    ``named_modules``) and its summary reused by the second parent. Modules
+    whose id is in ``stop`` (other than ``root``) count as empty and are not
+    entered: the planner passes the modules already planned as units.
+    """
+    state: dict[int, object] = {}
+    stack: list[tuple[str, nn.Module, bool]] = [(prefix, root, False)]
+    while stack:
+        fqn, module, expanded = stack.pop()
+        if id(module) in state:
+            continue
+        if module is not root and id(module) in stop:
+            state[id(module)] = _EMPTY
+            continue
+        if not expanded:
+            stack.append((fqn, module, True))
+            for name, child in reversed(module._modules.items()):
+                if child is not None and id(child) not in state:
+                    stack.append((join_fqn(fqn, name), child, False))
+            continue
+        acc: object = _EMPTY
+        for key in key_of(fqn, module):
+            acc = _merge(acc, key)
+            if acc is _MIXED:
+                break
+        for child in module._modules.values():
+            if acc is _MIXED:
+                break
+            if child is not None:
+                acc = _merge(acc, state[id(child)])
+        state[id(module)] = acc
+    return state
+
+
+def _merge(acc: object, key: object) -> object:
+    if key is _EMPTY or acc is _MIXED:
+        return acc
+    if acc is _EMPTY or key is _MIXED:
+        return key
+    return acc if acc == key else _MIXED
+
+
+def maximal_uniform_subtrees(
+    root: nn.Module,
+    key_of: Callable[[str, nn.Module], Iterable[Hashable]],
+    prefix: str = "",
+    stop: Collection[int] = (),
+) -> Iterator[tuple[str, nn.Module, Hashable]]:
+    """Yield maximal ``(fqn, module, key)`` whose subtree carries exactly one key.
+
+    The generic engine behind :func:`iter_maximal_uniform_dtype_subtrees` and
+    the dtype planner: ``key_of(fqn, module)`` gives the keys of a module's own
+    tensors, so callers choose what counts (storage dtype, the
+    (storage, compute) pair, parameters owned elsewhere left out).
+    """
+    state = subtree_keys(root, key_of, prefix, stop)
+    stack: list[tuple[str, nn.Module]] = [(prefix, root)]
+    seen: set[int] = set()
+    while stack:
+        fqn, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        s = state[id(module)]
+        if s is _EMPTY:
+            continue
+        if s is not _MIXED:
+            yield fqn, module, s  # type: ignore[misc]
+            continue
+        children = [(join_fqn(fqn, n), c) for n, c in module._modules.items() if c is not None]
+        stack.extend(reversed(children))
+
+
+@overload
+def iter_maximal_uniform_dtype_subtrees(
+    module: nn.Module,
+    *,
+    include_buffers: bool = ...,
+    tensor_pred: Callable[[torch.Tensor], bool] | None = ...,
+    dtype_of: Callable[[torch.Tensor], torch.dtype] | None = ...,
+    return_paths: Literal[False] = ...,
+) -> Iterator[tuple[nn.Module, torch.dtype]]: ...
+
+
+@overload
+def iter_maximal_uniform_dtype_subtrees(
+    module: nn.Module,
+    *,
+    include_buffers: bool = ...,
+    tensor_pred: Callable[[torch.Tensor], bool] | None = ...,
+    dtype_of: Callable[[torch.Tensor], torch.dtype] | None = ...,
+    return_paths: Literal[True],
+) -> Iterator[tuple[str, nn.Module, torch.dtype]]: ...
+
+
+def iter_maximal_uniform_dtype_subtrees(
+    module: nn.Module,
+    *,
+    include_buffers: bool = True,
+    tensor_pred: Callable[[torch.Tensor], bool] | None = None,
+    dtype_of: Callable[[torch.Tensor], torch.dtype] | None = None,
+    return_paths: bool = False,
+) -> Iterator[UniformSubtreeItem]:
+    """Yield the maximal submodules whose whole subtree has exactly one dtype.
+
+    These are the largest pieces FSDP2 can shard as one unit without tripping
+    its uniform-dtype assertion. A subtree with no tensor passing
+    ``tensor_pred`` is skipped (it constrains nothing); no yielded module is a
+    strict descendant of another. ``dtype_of`` lets callers unify on compute
+    dtype instead of storage dtype. Order is registration order; one pass.
+    """
+    dtype_fn: Callable[[torch.Tensor], torch.dtype] = dtype_of or (lambda t: t.dtype)
+
+    def key_of(_fqn: str, m: nn.Module) -> Iterator[Hashable]:
+        for t in _direct_tensors(m, include_buffers):
+            if tensor_pred is None or tensor_pred(t):
+                yield dtype_fn(t)
+
+    for fqn, sub, key in maximal_uniform_subtrees(module, key_of):
+        dtype: torch.dtype = key  # type: ignore[assignment]
+        yield (fqn, sub, dtype) if return_paths else (sub, dtype)
+
+
+def get_module_from_path(root: nn.Module, path: str) -> nn.Module:
+    """Resolve a dotted FQN (``"layers.3.attn"``; ``""`` is ``root``).
+
+    Raises ``AttributeError`` naming the full path and the first unknown
+    segment, so a typo in a plan or a model's declared names is obvious.
+    """
+    module = root
+    if not path:
+        return module
+    walked: list[str] = []
+    for segment in path.split("."):
+        child = module._modules.get(segment)
+        if child is None:
+            known = ", ".join(repr(k) for k in module._modules) or "none"
+            where = ".".join(walked) or "<root>"
+            raise AttributeError(
+                f"module path {path!r}: {where} ({type(module).__name__}) has no submodule "
+                f"{segment!r}; its submodules are: {known}"
+            )
+        walked.append(segment)
+        module = child
+    return module
+
+
+def _iter_unique_named(
+    model_parts: Sequence[nn.Module] | nn.Module,
+    named: Callable[[nn.Module], Iterable[tuple[str, torch.Tensor]]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+    entries: list[tuple[int, str, torch.Tensor]] = []
+    for index, part in enumerate(parts):
+        entries.extend((index, fqn, t) for fqn, t in named(part))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    seen: set[int] = set()
+    for _, fqn, tensor in entries:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield fqn, tensor
+
+
+def iter_unique_named_parameters(
+    model_parts: Sequence[nn.Module] | nn.Module,
+) -> Iterator[tuple[str, nn.Parameter]]:
+    """Yield ``(fqn, param)`` once per distinct parameter in rank-stable order.
+
+    Collectives must be issued in the same order on every rank. Registration
+    order and object identity can differ between ranks that built the same
+    logical model differently, so the order is (part index, FQN as a plain
+    string); a tied parameter appears once, under its smallest FQN.
+    """
+    yield from _iter_unique_named(  # type: ignore[misc]
+        model_parts, lambda m: m.named_parameters(remove_duplicate=False)
+    )
+
+
+def iter_unique_named_buffers(
+    model_parts: Sequence[nn.Module] | nn.Module,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(fqn, buffer)`` once per distinct buffer, in the same rank-stable
+    order as :func:`iter_unique_named_parameters` (persistent or not)."""
+    yield from _iter_unique_named(model_parts, lambda m: m.named_buffers(remove_duplicate=False))
