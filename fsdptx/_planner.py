@@ -126,6 +126,7 @@ class _Resolver:
     excluded: set[int]  # params owned elsewhere or ignored: never grouped, never claimed
     sharded: set[int]  # modules that are, or will be by then, FSDP modules
     units: list[Unit] = field(default_factory=list)
+    owner: dict[int, int] = field(default_factory=dict)  # param id -> unit index
 
     def add(
         self,
@@ -136,12 +137,22 @@ class _Resolver:
         keys: dict[int, DtypeKey],
     ) -> Unit:
         claimed = claim(self.index, modules, self.sharded)
+        here = [self.index.fqn_of_module[id(m)] for m in modules]
+        for f, p in claimed:
+            earlier = self.owner.get(id(p))
+            if earlier is not None:
+                raise PlanningError(
+                    f"parameter {f!r} is shared (also named {self.index.names[id(p)]}) and would "
+                    f"belong to two FSDP units: {list(self.units[earlier].modules)[:3]} and {here[:3]}. "
+                    "FSDP2 needs a shared parameter inside one unit: shard a common ancestor as "
+                    "one unit (e.g. leave it to the root), or untie the parameter"
+                )
         owned = [(f, p) for f, p in claimed if id(p) not in self.excluded]
         ignored = tuple(f for f, p in claimed if id(p) in self.excluded)
         storage = {keys[id(p)][0] for _, p in owned}
         compute = {keys[id(p)][1] for _, p in owned}
         unit = Unit(
-            modules=tuple(self.index.fqn_of_module[id(m)] for m in modules),
+            modules=tuple(here),
             params=tuple(f for f, _ in owned),
             ignored_params=ignored,
             kind=kind,
@@ -156,6 +167,7 @@ class _Resolver:
         self.units.append(unit)
         self.sharded.update(id(m) for m in modules)
         self.excluded.update(id(p) for _, p in owned)
+        self.owner.update((id(p), len(self.units) - 1) for _, p in owned)
         return unit
 
 

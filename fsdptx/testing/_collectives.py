@@ -1,0 +1,90 @@
+"""Record the collectives a call issues, to compare what different ranks do.
+
+A rank that issues a different sequence of collectives than its peers hangs
+the job on real hardware; on a fake mesh the mismatch is silent. Recording
+``(op, group ranks, shapes, dtypes)`` per rank makes it a plain list equality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["Collective", "record_collectives"]
+
+_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as issued: op name (``allreduce_``, ``broadcast_``, ...),
+    the global ranks of its group, and the shape and dtype of each tensor
+    argument in order."""
+
+    op: str
+    group: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+
+def _group_ranks(args: list[Any]) -> tuple[int, ...]:
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                pg = dist.ProcessGroup.unbox(a)
+            except RuntimeError:
+                continue  # a ReduceOp or another script object
+            return tuple(dist.get_process_group_ranks(pg))
+        if isinstance(a, str):  # functional collectives name their group
+            try:
+                pg = dist.distributed_c10d._resolve_process_group(a)
+            except RuntimeError:
+                continue  # a reduce-op name such as "sum"
+            return tuple(dist.get_process_group_ranks(pg))
+    return ()
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, out: list[Collective]) -> None:
+        super().__init__()
+        self.out = out
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace in _NAMESPACES:
+            flat, _ = tree_flatten((args, kwargs))
+            group = _group_ranks(flat)
+            if group:  # helpers such as wait_tensor name no group: not collectives
+                tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+                self.out.append(
+                    Collective(
+                        op=func._schema.name.split("::")[-1],
+                        group=group,
+                        shapes=tuple(tuple(t.shape) for t in tensors),
+                        dtypes=tuple(t.dtype for t in tensors),
+                    )
+                )
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def record_collectives() -> Iterator[list[Collective]]:
+    """Collect, in issue order, every c10d collective run inside the block.
+
+    Works for ``torch.distributed`` calls, functional collectives and the ones
+    FSDP2/DTensor issue internally, on fake and real process groups alike::
+
+        with record_collectives() as calls:
+            synchronize_tp_replica_gradients([model], mesh)
+        assert [c.op for c in calls] == ["allreduce_", "allreduce_"]
+    """
+    out: list[Collective] = []
+    with _Recorder(out):
+        yield out
