@@ -6,6 +6,9 @@ Plan purely, apply once::
     p = fsdptx.plan(model, pipeline, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     print(p)
     fsdptx.apply_plan(p, model, mesh)
+    ...
+    loss.backward()
+    fsdptx.synchronize_tp_replica_gradients([model], mesh)   # once per optimizer step
 """
 
 from ._apply import PlanMismatchError, apply_plan, check_plan
@@ -22,6 +25,7 @@ from ._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduc
 from ._plan import Plan, Reduction, Unit
 from ._planner import PlanningError
 from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
+from ._tp_replicas import broadcast_tp_replicas, is_tp_replicated, synchronize_tp_replica_gradients
 from ._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
 from ._tree import (
     get_module_from_path,
@@ -39,6 +43,7 @@ __all__ = [
     "Transform",
     "Unit",
     "apply_plan",
+    "broadcast_tp_replicas",
     "check_plan",
     "compose",
     "configure_fsdp_unused_param_reduction",
@@ -50,6 +55,7 @@ __all__ = [
     "gradient_chunks",
     "gradient_reduce_dtype",
     "group_params_by_dtype",
+    "is_tp_replicated",
     "iter_maximal_uniform_dtype_subtrees",
     "iter_unique_named_buffers",
     "iter_unique_named_parameters",
@@ -62,4 +68,5 @@ __all__ = [
     "reject_unsupported_mtp_cp_pp",
     "shard_across_blocks",
     "shard_by_dtype",
+    "synchronize_tp_replica_gradients",
 ]

@@ -45,6 +45,12 @@ def gradient_chunks(
                 f"(communicated as {itemsize} bytes); raise max_bytes"
             )
         cost = tensor.numel() * itemsize
+        if cost > room and room < itemsize:
+            # The current chunk cannot take even one element: close it first,
+            # so a tensor that fits a fresh chunk is not cut (nor refused
+            # for being non-contiguous).
+            yield chunk
+            chunk, room = [], max_bytes
         if cost <= room:
             chunk.append(tensor)
             room -= cost

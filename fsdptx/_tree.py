@@ -127,8 +127,14 @@ def maximal_uniform_subtrees(
     the dtype planner: ``key_of(fqn, module)`` gives the keys of a module's own
     tensors, so callers choose what counts (storage dtype, the
     (storage, compute) pair, parameters owned elsewhere left out).
+
+    A module registered under two parents, one uniform and one mixed, is
+    reached through the mixed one as a candidate of its own although it also
+    lies inside the uniform one; such candidates are dropped, so no yielded
+    module is a strict descendant of another.
     """
     state = subtree_keys(root, key_of, prefix, stop)
+    candidates: list[tuple[str, nn.Module, Hashable]] = []
     stack: list[tuple[str, nn.Module]] = [(prefix, root)]
     seen: set[int] = set()
     while stack:
@@ -140,10 +146,33 @@ def maximal_uniform_subtrees(
         if s is _EMPTY:
             continue
         if s is not _MIXED:
-            yield fqn, module, s  # type: ignore[misc]
+            candidates.append((fqn, module, s))  # type: ignore[arg-type]
             continue
         children = [(join_fqn(fqn, n), c) for n, c in module._modules.items() if c is not None]
         stack.extend(reversed(children))
+    covered = _strict_descendants([m for _, m, _ in candidates], stop)
+    for fqn, module, key in candidates:
+        if id(module) not in covered:
+            yield fqn, module, key
+
+
+def _strict_descendants(tops: Iterable[nn.Module], stop: Collection[int]) -> set[int]:
+    """Ids of every module strictly below one of ``tops`` (``stop`` modules
+    are not entered); each module is expanded once, so linear overall."""
+    covered: set[int] = set()
+    expanded: set[int] = set()
+    stack = list(tops)
+    while stack:
+        module = stack.pop()
+        if id(module) in expanded:
+            continue
+        expanded.add(id(module))
+        for child in module._modules.values():
+            if child is not None:
+                covered.add(id(child))
+                if id(child) not in stop:
+                    stack.append(child)
+    return covered
 
 
 @overload
