@@ -1,0 +1,153 @@
+"""Small reference models that declare their sharding needs the way real ones do.
+
+They back the ``python -m fsdptx plan`` presets, the examples and the
+benchmarks. Each is an ordinary ``nn.Module`` with a working forward, so the
+same class serves a dry run on the meta device and a real CPU training run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["PRESETS", "Decoder", "DecoderConfig", "build_preset"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (x.float() * scale).to(x.dtype) * self.weight.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Four projections; the mixing is a causal running mean, enough to make
+    every projection matter to the loss without a full attention kernel."""
+
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(dim, dim, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(dim, dim, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(dim, dim, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(dim, dim, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.q_proj(x) * self.k_proj(x))
+        v = self.v_proj(x)
+        steps = torch.arange(1, x.shape[-2] + 1, device=x.device, dtype=v.dtype).unsqueeze(-1)
+        return self.o_proj(gate * (v.cumsum(-2) / steps))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(dim, hidden, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(hidden, dim, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Sinks(nn.Module):
+    """An fp32 parameter holder whose forward ignores its input, like attention
+    sinks: exactly the module FSDP2's post-backward hook never fires for."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        d, dt = cfg.dim, cfg.dtype
+        self.attn_norm = RMSNorm(d, dt)
+        self.attn = Attention(d, dt)
+        self.mlp_norm = RMSNorm(d, dt)
+        self.mlp = MLP(d, cfg.hidden, dt)
+        self.sinks = Sinks(d) if cfg.fp32_holders else None
+        # A genuinely low-precision sibling among the master weights.
+        self.gate = nn.Linear(d, 1, bias=False, dtype=cfg.sibling_dtype) if cfg.sibling_dtype else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x))
+        if self.sinks is not None:
+            h = h + self.sinks(x).to(h.dtype)
+        if self.gate is not None:
+            h = h * torch.sigmoid(self.gate(x.to(self.gate.weight.dtype))).to(h.dtype)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab: int = 512
+    dim: int = 64
+    hidden: int = 128
+    layers: int = 4
+    dtype: torch.dtype = torch.float32
+    fp32_holders: bool = False
+    sibling_dtype: torch.dtype | None = None
+
+
+class Decoder(nn.Module):
+    """A Llama-shaped decoder; the class attributes are the declarations the
+    default fsdptx pipeline reads (the instance may narrow them)."""
+
+    _no_split_modules = ["Block"]
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.dim, dtype=cfg.dtype)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.dim, cfg.dtype)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False, dtype=cfg.dtype)
+        if cfg.fp32_holders:
+            self._keep_in_fp32_modules_strict = ["sinks"]
+            self._fsdp_shard_across_blocks = ["sinks"]
+        self._tp_replica_reductions = {"layers.*.attn_norm": "mean", "layers.*.mlp_norm": "mean", "norm": "mean"}
+        if cfg.sibling_dtype is not None:
+            self._tp_replica_reductions["layers.*.gate"] = "sum"
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.lm_head(self.norm(h))
+
+
+def llama(layers: int = 16) -> Decoder:
+    """A small Llama-like decoder, uniform fp32 storage (master weights)."""
+    return Decoder(DecoderConfig(vocab=32000, dim=1024, hidden=2816, layers=layers))
+
+
+def mixed(layers: int = 16) -> Decoder:
+    """Every block mixes an fp32 holder (pinned, cross-block grouped) and a
+    bf16 sibling among fp32 master weights: what trips FSDP2's uniform-dtype
+    assertion without dtype-aware planning."""
+    return Decoder(
+        DecoderConfig(
+            vocab=32000, dim=1024, hidden=2816, layers=layers, fp32_holders=True, sibling_dtype=torch.bfloat16
+        )
+    )
+
+
+PRESETS: dict[str, Callable[[int], nn.Module]] = {"llama": llama, "mixed": mixed}
+
+
+def build_preset(name: str, layers: int = 16) -> nn.Module:
+    """Build a preset by name; ``KeyError`` names the known presets."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name](layers)
