@@ -93,6 +93,10 @@ class Plan:
     reshard_after_forward: bool | int | None = None
     dtype_request: DtypeRequest | None = None
     cross_block_requests: tuple[CrossBlockRequest, ...] = ()
+    # Read-only index of the model being planned, shared by the transforms of
+    # one fsdptx.plan() call so the model is walked once; plan() drops it
+    # before returning. Not part of the Plan's value.
+    scratch: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))

@@ -9,6 +9,7 @@ is visited a bounded number of times, so planning is linear in model size.
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -62,24 +63,46 @@ class ModelIndex:
     params: dict[str, nn.Parameter] = field(default_factory=dict)
     names: dict[int, list[str]] = field(default_factory=dict)
     sharded: set[int] = field(default_factory=set)
+    tied: bool = False  # some parameter has two names
 
     @classmethod
     def build(cls, root: nn.Module) -> ModelIndex:
         index = cls(root)
-        for fqn, module in walk_modules(root):
-            index.modules[fqn] = module
-            index.fqn_of_module[id(module)] = fqn
+        modules, fqn_of_module, param_fqn, params, names = (
+            index.modules, index.fqn_of_module, index.param_fqn, index.params, index.names
+        )
+        stack: list[tuple[str, nn.Module]] = [("", root)]
+        while stack:
+            fqn, module = stack.pop()
+            mid = id(module)
+            if mid in fqn_of_module:
+                continue  # registered under two parents: first path wins, as named_modules
+            modules[fqn] = module
+            fqn_of_module[mid] = fqn
             if isinstance(module, FSDPModule):
-                index.sharded.add(id(module))
+                index.sharded.add(mid)
+            prefix = fqn + "." if fqn else ""
             for name, p in module._parameters.items():
                 if p is None:
                     continue
-                pfqn = join_fqn(fqn, name)
-                index.names.setdefault(id(p), []).append(pfqn)
-                if id(p) not in index.param_fqn:
-                    index.param_fqn[id(p)] = pfqn
-                    index.params[pfqn] = p
+                pfqn = prefix + name
+                pid = id(p)
+                if pid in param_fqn:
+                    names[pid].append(pfqn)
+                    index.tied = True
+                else:
+                    names[pid] = [pfqn]
+                    param_fqn[pid] = pfqn
+                    params[pfqn] = p
+            children = module._modules
+            if children:
+                stack.extend((prefix + n, c) for n, c in reversed(children.items()) if c is not None)
         return index
+
+    @functools.cached_property
+    def blocks(self) -> tuple[str, ...]:
+        """The blocks :func:`discover_blocks` finds, computed once per index."""
+        return discover_blocks(self.root, self)
 
     def module(self, fqn: str, what: str) -> nn.Module:
         found = self.modules.get(fqn)
@@ -99,20 +122,24 @@ def claim(
     direct parameters of every module reachable from ``roots`` without entering
     a module already sharded (``stop``). Each tied parameter once."""
     root_ids = {id(r) for r in roots}
+    param_fqn = index.param_fqn
     seen_modules: set[int] = set()
     seen_params: set[int] = set()
     out: list[tuple[str, nn.Parameter]] = []
     stack = list(reversed(roots))
     while stack:
         m = stack.pop()
-        if id(m) in seen_modules or (id(m) in stop and id(m) not in root_ids):
+        mid = id(m)
+        if mid in seen_modules or (mid in stop and mid not in root_ids):
             continue
-        seen_modules.add(id(m))
+        seen_modules.add(mid)
         for p in m._parameters.values():
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
-                out.append((index.param_fqn[id(p)], p))
-        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+                out.append((param_fqn[id(p)], p))
+        children = m._modules
+        if children:
+            stack.extend(c for c in reversed(children.values()) if c is not None)
     return out
 
 
@@ -127,6 +154,7 @@ class _Resolver:
     sharded: set[int]  # modules that are, or will be by then, FSDP modules
     units: list[Unit] = field(default_factory=list)
     owner: dict[int, int] = field(default_factory=dict)  # param id -> unit index
+    policies: dict[tuple[torch.dtype | None, bool], MixedPrecisionPolicy | None] = field(default_factory=dict)
 
     def add(
         self,
@@ -135,8 +163,12 @@ class _Resolver:
         policy: MixedPrecisionPolicy | None,
         reshard: bool | int | None,
         keys: dict[int, DtypeKey],
+        claimed: list[tuple[str, nn.Parameter]] | None = None,
     ) -> Unit:
-        claimed = claim(self.index, modules, self.sharded)
+        """Record a unit owning what ``fully_shard(modules)`` would claim now
+        (``claimed``, when the caller has just computed it)."""
+        if claimed is None:
+            claimed = claim(self.index, modules, self.sharded)
         here = [self.index.fqn_of_module[id(m)] for m in modules]
         for f, p in claimed:
             earlier = self.owner.get(id(p))
@@ -170,6 +202,16 @@ class _Resolver:
         self.owner.update((id(p), len(self.units) - 1) for _, p in owned)
         return unit
 
+    def policy(self, compute: torch.dtype | None, internal: bool) -> MixedPrecisionPolicy | None:
+        """The policy for a unit computing in ``compute`` (``None``: the
+        caller's policy as is); internal units drop ``output_dtype``. Cached:
+        thousands of units share a handful of policies."""
+        key = (compute, internal)
+        if key not in self.policies:
+            policy = self.mp_policy if compute is None else mp_policy_with_param_dtype(self.mp_policy, compute)
+            self.policies[key] = get_internal_fsdp_mp_policy(policy) if internal else policy
+        return self.policies[key]
+
 
 def param_keys(
     index: ModelIndex, mp_policy: MixedPrecisionPolicy | None, fp32_tokens: Collection[str]
@@ -181,14 +223,16 @@ def param_keys(
     }
 
 
-def _shardable(fqn: str, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """A container cannot be a unit: shard its elements instead."""
+def _shardable(fqn: str, module: nn.Module, stop: Collection[int] = ()) -> Iterator[tuple[str, nn.Module]]:
+    """A container cannot be a unit: shard its elements instead, except those
+    already planned as units (``stop``): a container is uniform when its
+    unsharded elements are, so it may hold elements sharded earlier."""
     if not is_container(module):
         yield fqn, module
         return
     for name, child in module._modules.items():
-        if child is not None:
-            yield from _shardable(join_fqn(fqn, name), child)
+        if child is not None and id(child) not in stop:
+            yield from _shardable(join_fqn(fqn, name), child, stop)
 
 
 def _plan_target(
@@ -212,21 +256,21 @@ def _plan_target(
         return
     kind: UnitKind = "root" if is_root else "block"
     claimed = claim(index, [target], r.sharded)
+    excluded = r.excluded
     counts: dict[DtypeKey, int] = {}
     for _f, p in claimed:
-        if id(p) not in r.excluded:
-            counts[keys[id(p)]] = counts.get(keys[id(p)], 0) + 1
+        if id(p) not in excluded:
+            k = keys[id(p)]
+            counts[k] = counts.get(k, 0) + 1
     has_ignored = len(claimed) > sum(counts.values())
     groups = list(counts)  # in registration order
     if len(groups) <= 1:
         if groups or is_root:
-            param_dtype = groups[0][1] if groups else None
-            policy = r.mp_policy if param_dtype is None else mp_policy_with_param_dtype(r.mp_policy, param_dtype)
-            r.add([target], kind, policy, reshard, keys)
+            r.add([target], kind, r.policy(groups[0][1] if groups else None, False), reshard, keys, claimed)
         return
 
     def key_of(_f: str, m: nn.Module) -> list[Hashable]:
-        return [keys[id(p)] for p in m._parameters.values() if p is not None and id(p) not in r.excluded]
+        return [keys[id(p)] for p in m._parameters.values() if p is not None and id(p) not in excluded]
 
     subtrees = [
         (f, m, k)
@@ -239,18 +283,23 @@ def _plan_target(
         minority = min(reversed(groups), key=lambda k: counts[k])
         majority = groups[0] if minority == groups[1] else groups[1]
         subtrees = [(f, m, k) for f, m, k in subtrees if k == minority]
+    reached_by_children: set[int] = set()
     for f, m, k in subtrees:
-        compute: torch.dtype = k[1]  # type: ignore[index]
-        policy = get_internal_fsdp_mp_policy(mp_policy_with_param_dtype(r.mp_policy, compute))
-        for _cf, child in _shardable(f, m):
-            r.add([child], "dtype", policy, reshard, keys)
-    stray = [(f, keys[id(p)]) for f, p in claimed if id(p) not in r.excluded and keys[id(p)] != majority]
+        policy = r.policy(k[1], True)  # type: ignore[index]
+        for _cf, child in _shardable(f, m, r.sharded):
+            unit = r.add([child], "dtype", policy, reshard, keys)
+            reached_by_children.update(id(index.params[q]) for q in (*unit.params, *unit.ignored_params))
+    if index.tied:  # a tied parameter may be reachable both inside and outside a child
+        rest = claim(index, [target], r.sharded)
+    else:  # otherwise the target now reaches exactly what its children no longer leave it
+        rest = [(f, p) for f, p in claimed if id(p) not in reached_by_children]
+    stray = [(f, keys[id(p)]) for f, p in rest if id(p) not in excluded and keys[id(p)] != majority]
     if stray:
         raise PlanningError(_isolation_message(stray, fqn))
     if majority is not None:
-        r.add([target], kind, mp_policy_with_param_dtype(r.mp_policy, majority[1]), reshard, keys)
+        r.add([target], kind, r.policy(majority[1], False), reshard, keys, rest)
     elif is_root or has_ignored:
-        r.add([target], kind, r.mp_policy, reshard, keys)
+        r.add([target], kind, r.policy(None, False), reshard, keys, rest)
 
 
 def _isolation_message(stray: list[tuple[str, DtypeKey]], target: str) -> str:
@@ -293,7 +342,7 @@ def plan_cross_block_units(
     """
     index = r.index
     keys = {pid: (p.dtype, p.dtype) for pid, p in ((id(p), p) for p in index.params.values())}
-    policy = get_internal_fsdp_mp_policy(mp_policy_with_param_dtype(r.mp_policy, torch.float32))
+    policy = r.policy(torch.float32, True)
     block_modules = [(b, unwrap_checkpoint(index.module(b, "shard_across_blocks block"))) for b in blocks]
     for name in names:
         found: list[nn.Module] = []

@@ -2,9 +2,20 @@
 
 FSDP2 issues, per unit with parameters: one all-gather before forward, one
 more before backward if the unit was resharded after forward, and one
-reduce-scatter after backward. The model root keeps its parameters after
-forward by default (``reshard_after_forward=None`` means False there), and
-cross-block units are planned with ``False``.
+reduce-scatter after backward. Checked against ``fully_shard`` on a fake mesh
+(tests/test_report.py); what decides "resharded after forward":
+
+- ``None`` (FSDP2's default) means ``True``, except for the FSDP root: the
+  first unit to run forward (the model root, ``""``, which the default
+  pipeline always plans) keeps its parameters, since backward would gather
+  them again at once. An explicit ``True`` on the root is honoured.
+- ``False``, and cross-block units (planned with ``False``): one all-gather.
+- An int is a group size to reshard to: ``1`` is turned into ``False`` by
+  FSDP2 (one all-gather); any other valid size reshards (two all-gathers).
+
+A unit whose forward ignores its input (an fp32 holder such as attention
+sinks) still gets its one reduce-scatter: when its post-backward hook does not
+fire, FSDP2's root reduces it in the end-of-backward callback.
 """
 
 from __future__ import annotations
@@ -27,9 +38,12 @@ class UnitTraffic:
 
 
 def _resharded(unit: Unit) -> bool:
-    if unit.reshard_after_forward is None:
+    r = unit.reshard_after_forward
+    if r is None:
         return unit.modules != ("",)
-    return unit.reshard_after_forward is not False
+    if isinstance(r, bool):
+        return r
+    return r != 1  # FSDP2 treats reshard_after_forward=1 (int) as False
 
 
 def _traffic(unit: Unit) -> UnitTraffic:

@@ -8,15 +8,16 @@ them touches the model: they read it and return a new Plan.
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Mapping, Sequence
-from fnmatch import fnmatchcase
-from typing import Protocol
+from collections.abc import Callable, Collection, Mapping, Sequence
+import fnmatch
+import re
+from typing import Any, Protocol
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction
-from ._planner import ModelIndex, PlanningError, discover_blocks, resolve_units
+from ._planner import ModelIndex, PlanningError, resolve_units
 
 __all__ = [
     "Transform",
@@ -56,14 +57,33 @@ def compose(*transforms: Transform) -> Transform:
 
     For ``shard_by_dtype``, ``shard_across_blocks`` and ``mark_reduction`` the
     result does not depend on argument order: cross-block units always own their
-    holders and dtype units always exclude them, because both transforms
-    re-resolve units from the requests recorded in the Plan.
+    holders and dtype units always exclude them, because units are resolved
+    from the sharding requests recorded in the Plan, never patched.
+
+    Consecutive sharding transforms (bare or ``functools.partial`` with
+    keywords) are fused: their requests are recorded and the units resolved
+    once, which gives exactly the Plan that applying them one by one gives,
+    at the cost of one resolution instead of one per transform.
     """
 
     def composed(model: nn.Module, p: Plan, /) -> Plan:
+        own_scratch = not isinstance(p.scratch, ModelIndex)
+        if own_scratch:
+            p = p.replace(scratch=ModelIndex.build(model))
+        pending = False
         for t in transforms:
+            request = _request_of(t)
+            if request is not None:
+                fn, options = request
+                p = fn(model, p, model_index(model, p), **options)
+                pending = True
+                continue
+            if pending:
+                p, pending = _resolve(model, p, model_index(model, p)), False
             p = _checked(t, model, p)
-        return p
+        if pending:
+            p = _resolve(model, p, model_index(model, p))
+        return p.replace(scratch=None) if own_scratch else p
 
     composed.__qualname__ = "compose(" + ", ".join(transform_name(t) for t in transforms) + ")"
     return composed
@@ -86,8 +106,17 @@ def plan(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         reshard_after_forward=reshard_after_forward,
+        scratch=ModelIndex.build(model),
     )
-    return _checked(transform, model, start)
+    return _checked(transform, model, start).replace(scratch=None)
+
+
+def model_index(model: nn.Module, p: Plan) -> ModelIndex:
+    """The index shared through ``plan()``, or a fresh one for a transform
+    called on its own."""
+    if isinstance(p.scratch, ModelIndex) and p.scratch.root is model:
+        return p.scratch
+    return ModelIndex.build(model)
 
 
 def _resolve(model: nn.Module, p: Plan, index: ModelIndex) -> Plan:
@@ -114,6 +143,46 @@ def _tuple_of_str(value: object, what: str) -> tuple[str, ...]:
     return items
 
 
+RequestFn = Callable[..., Plan]
+# Sharding transform -> its request function (records the request, resolves nothing).
+_REQUESTS: dict[object, RequestFn] = {}
+
+
+def _request_of(t: object) -> tuple[RequestFn, dict[str, Any]] | None:
+    if t in _REQUESTS:
+        return _REQUESTS[t], {}
+    if isinstance(t, functools.partial) and not t.args and t.func in _REQUESTS:
+        return _REQUESTS[t.func], dict(t.keywords)
+    return None
+
+
+def _request_dtype(
+    model: nn.Module,
+    plan: Plan,
+    index: ModelIndex,
+    *,
+    blocks: Sequence[str] | None = None,
+    fp32_compute_module_names: Collection[str] | None = None,
+    ignored_params: Collection[str] = (),
+    reshard_after_forward: bool | int | None = None,
+) -> Plan:
+    targets = tuple(blocks) if blocks is not None else index.blocks
+    tokens = (
+        _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
+        if fp32_compute_module_names is not None
+        else _tuple_of_str(getattr(model, "_keep_in_fp32_modules_strict", None), "_keep_in_fp32_modules_strict")
+    )
+    request = DtypeRequest(
+        targets=tuple(t for t in targets if t) + ("",),
+        fp32_compute_module_names=tokens,
+        ignored_params=_tuple_of_str(ignored_params, "ignored_params"),
+        reshard_after_forward=(
+            reshard_after_forward if reshard_after_forward is not None else plan.reshard_after_forward
+        ),
+    )
+    return plan.replace(dtype_request=request)
+
+
 def shard_by_dtype(
     model: nn.Module,
     plan: Plan,
@@ -137,22 +206,42 @@ def shard_by_dtype(
     unit may own (another parallelism owns them). ``reshard_after_forward``
     falls back to the Plan's default.
     """
-    index = ModelIndex.build(model)
-    targets = tuple(blocks) if blocks is not None else discover_blocks(model, index)
-    tokens = (
-        _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
-        if fp32_compute_module_names is not None
-        else _tuple_of_str(getattr(model, "_keep_in_fp32_modules_strict", None), "_keep_in_fp32_modules_strict")
+    index = model_index(model, plan)
+    requested = _request_dtype(
+        model,
+        plan,
+        index,
+        blocks=blocks,
+        fp32_compute_module_names=fp32_compute_module_names,
+        ignored_params=ignored_params,
+        reshard_after_forward=reshard_after_forward,
     )
-    request = DtypeRequest(
-        targets=tuple(t for t in targets if t) + ("",),
-        fp32_compute_module_names=tokens,
-        ignored_params=_tuple_of_str(ignored_params, "ignored_params"),
-        reshard_after_forward=(
-            reshard_after_forward if reshard_after_forward is not None else plan.reshard_after_forward
-        ),
+    return _resolve(model, requested, index)
+
+
+def _request_cross_blocks(
+    model: nn.Module,
+    plan: Plan,
+    index: ModelIndex,
+    *,
+    blocks: Sequence[str] | None = None,
+    module_names: Sequence[str] | None = None,
+) -> Plan:
+    names = (
+        _tuple_of_str(module_names, "module_names")
+        if module_names is not None
+        else _tuple_of_str(getattr(model, "_fsdp_shard_across_blocks", None), "_fsdp_shard_across_blocks")
     )
-    return _resolve(model, plan.replace(dtype_request=request), index)
+    if not names:
+        return plan
+    targets = tuple(blocks) if blocks is not None else index.blocks
+    if not targets:
+        raise PlanningError(
+            f"shard_across_blocks: found no blocks in {type(model).__name__} for {list(names)}; "
+            "declare _no_split_modules or pass blocks="
+        )
+    request = CrossBlockRequest(blocks=targets, names=names)
+    return plan.replace(cross_block_requests=plan.cross_block_requests + (request,))
 
 
 def shard_across_blocks(
@@ -169,28 +258,29 @@ def shard_across_blocks(
     model's ``_fsdp_shard_across_blocks``. A model that declares no names gets
     the Plan back unchanged, so the transform is safe in a generic pipeline.
     """
-    names = (
-        _tuple_of_str(module_names, "module_names")
-        if module_names is not None
-        else _tuple_of_str(getattr(model, "_fsdp_shard_across_blocks", None), "_fsdp_shard_across_blocks")
-    )
-    if not names:
-        return plan
-    index = ModelIndex.build(model)
-    targets = tuple(blocks) if blocks is not None else discover_blocks(model, index)
-    if not targets:
-        raise PlanningError(
-            f"shard_across_blocks: found no blocks in {type(model).__name__} for {list(names)}; "
-            "declare _no_split_modules or pass blocks="
-        )
-    request = CrossBlockRequest(blocks=targets, names=names)
-    return _resolve(
-        model, plan.replace(cross_block_requests=plan.cross_block_requests + (request,)), index
-    )
+    index = model_index(model, plan)
+    requested = _request_cross_blocks(model, plan, index, blocks=blocks, module_names=module_names)
+    return plan if requested is plan else _resolve(model, requested, index)
 
 
-def _matching(index: ModelIndex, pattern: str) -> list[str]:
-    return [f for f in index.modules if fnmatchcase(f, pattern)]
+_REQUESTS[shard_by_dtype] = _request_dtype
+_REQUESTS[shard_across_blocks] = _request_cross_blocks
+
+
+def _matching(index: ModelIndex, patterns: Collection[str]) -> dict[str, list[str]]:
+    """Module FQNs matched by each glob, in one pass over the modules: a
+    combined regex rejects the (usual) non-matching FQN in one call."""
+    out: dict[str, list[str]] = {g: [] for g in patterns}
+    if not patterns:
+        return out
+    compiled = [(g, re.compile(fnmatch.translate(g))) for g in patterns]
+    any_glob = re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in patterns))
+    for fqn in index.modules:
+        if any_glob.match(fqn):
+            for g, rx in compiled:
+                if rx.match(fqn):
+                    out[g].append(fqn)
+    return out
 
 
 def mark_reduction(
@@ -222,11 +312,12 @@ def mark_reduction(
             + ", ".join(f"{r!r} for {g!r}" for g, r in bad.items())
             + f"; use one of {REDUCTIONS}"
         )
-    index = ModelIndex.build(model)
+    index = model_index(model, plan)
+    matches = _matching(index, [*marks, *globs])
     out: dict[str, Reduction] = dict(plan.reductions)
     source: dict[str, str] = {}
     for pattern, reduction in marks.items():
-        matched = _matching(index, pattern)
+        matched = matches[pattern]
         if not matched:
             raise PlanningError(f"mark_reduction: reduction glob {pattern!r} matches no module of the model")
         for fqn in matched:
@@ -243,7 +334,7 @@ def mark_reduction(
                 source[pfqn] = pattern
     excluded = list(plan.exclusions)
     for pattern in globs:
-        matched = _matching(index, pattern)
+        matched = matches[pattern]
         if not matched:
             raise PlanningError(f"mark_reduction: exclusion glob {pattern!r} matches no module of the model")
         excluded.extend(f for f in matched if f not in excluded)

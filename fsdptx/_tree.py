@@ -68,8 +68,9 @@ def subtree_keys(
     key_of: Callable[[str, nn.Module], Iterable[Hashable]],
     prefix: str = "",
     stop: Collection[int] = (),
-) -> dict[int, object]:
-    """Summarise every module's subtree as one key, ``_EMPTY`` or ``_MIXED``.
+) -> tuple[dict[int, object], bool]:
+    """Summarise every module's subtree as one key, ``_EMPTY`` or ``_MIXED``;
+    also say whether some module is registered under two parents.
 
     An iterative post-order walk combines each module once from its direct
     keys and its children's summaries: linear in modules plus tensors. A module
@@ -79,10 +80,12 @@ def subtree_keys(
     entered: the planner passes the modules already planned as units.
     """
     state: dict[int, object] = {}
+    shared = False
     stack: list[tuple[str, nn.Module, bool]] = [(prefix, root, False)]
     while stack:
         fqn, module, expanded = stack.pop()
         if id(module) in state:
+            shared = True
             continue
         if module is not root and id(module) in stop:
             state[id(module)] = _EMPTY
@@ -90,7 +93,11 @@ def subtree_keys(
         if not expanded:
             stack.append((fqn, module, True))
             for name, child in reversed(module._modules.items()):
-                if child is not None and id(child) not in state:
+                if child is None:
+                    continue
+                if id(child) in state:
+                    shared = True
+                else:
                     stack.append((join_fqn(fqn, name), child, False))
             continue
         acc: object = _EMPTY
@@ -104,7 +111,7 @@ def subtree_keys(
             if child is not None:
                 acc = _merge(acc, state[id(child)])
         state[id(module)] = acc
-    return state
+    return state, shared
 
 
 def _merge(acc: object, key: object) -> object:
@@ -133,7 +140,7 @@ def maximal_uniform_subtrees(
     lies inside the uniform one; such candidates are dropped, so no yielded
     module is a strict descendant of another.
     """
-    state = subtree_keys(root, key_of, prefix, stop)
+    state, shared = subtree_keys(root, key_of, prefix, stop)
     candidates: list[tuple[str, nn.Module, Hashable]] = []
     stack: list[tuple[str, nn.Module]] = [(prefix, root)]
     seen: set[int] = set()
@@ -150,6 +157,9 @@ def maximal_uniform_subtrees(
             continue
         children = [(join_fqn(fqn, n), c) for n, c in module._modules.items() if c is not None]
         stack.extend(reversed(children))
+    if not shared:
+        yield from candidates
+        return
     covered = _strict_descendants([m for _, m, _ in candidates], stop)
     for fqn, module, key in candidates:
         if id(module) not in covered:
