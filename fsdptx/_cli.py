@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -219,4 +219,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # planning errors: the model cannot be planned as declared
         print(f"fsdptx: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `... | head` closed the pipe: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
