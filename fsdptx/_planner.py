@@ -309,9 +309,10 @@ def _isolation_message(stray: list[tuple[str, DtypeKey]], target: str) -> str:
     )
     return (
         f"cannot give every parameter of {target or '<root>'!r} a dtype-uniform FSDP unit: "
-        f"{listed} sit directly on module(s) {', '.join(owners)} beside parameters of another "
-        "(storage, compute) dtype. Move them into a submodule of their own, give them one "
-        "storage dtype, or pass them as ignored_params."
+        f"{listed} sit directly on module(s) {', '.join(owners)}, whose subtree also holds "
+        "parameters of another (storage, compute) dtype, so no unit can hold them alone. Move "
+        "them into a submodule of their own, give them one storage dtype, or pass them as "
+        "ignored_params."
     )
 
 

@@ -78,7 +78,7 @@ def compose(*transforms: Transform) -> Transform:
                 p = fn(model, p, model_index(model, p), **options)
                 pending = True
                 continue
-            if pending:
+            if pending and not _reads_no_units(t):
                 p, pending = _resolve(model, p, model_index(model, p)), False
             p = _checked(t, model, p)
         if pending:
@@ -148,12 +148,27 @@ RequestFn = Callable[..., Plan]
 _REQUESTS: dict[object, RequestFn] = {}
 
 
+# Transforms that neither read nor write units (mark_reduction): pending
+# sharding requests are not resolved before them, so a compose with one between
+# two sharding transforms resolves both requests together, as in any other order.
+_UNIT_BLIND: set[object] = set()
+
+
+def _unwrap(t: object) -> tuple[object, dict[str, Any]]:
+    """A built-in transform and its keyword options, seeing through a
+    keyword-only ``functools.partial`` (one with positional args is opaque)."""
+    if isinstance(t, functools.partial) and not t.args:
+        return t.func, dict(t.keywords)
+    return t, {}
+
+
+def _reads_no_units(t: object) -> bool:
+    return _unwrap(t)[0] in _UNIT_BLIND
+
+
 def _request_of(t: object) -> tuple[RequestFn, dict[str, Any]] | None:
-    if t in _REQUESTS:
-        return _REQUESTS[t], {}
-    if isinstance(t, functools.partial) and not t.args and t.func in _REQUESTS:
-        return _REQUESTS[t.func], dict(t.keywords)
-    return None
+    base, options = _unwrap(t)
+    return (_REQUESTS[base], options) if base in _REQUESTS else None
 
 
 def _request_dtype(
@@ -339,3 +354,6 @@ def mark_reduction(
             raise PlanningError(f"mark_reduction: exclusion glob {pattern!r} matches no module of the model")
         excluded.extend(f for f in matched if f not in excluded)
     return plan.replace(reductions=out, exclusions=tuple(excluded))
+
+
+_UNIT_BLIND.add(mark_reduction)

@@ -1,0 +1,311 @@
+"""Properties of planning and applying plans on random module trees.
+
+Trees come from :mod:`fsdptx.testing.strategies`. Two families are used:
+
+* arbitrary trees (parameters on any module, mixed dtypes anywhere), for
+  properties that must hold whether or not planning succeeds;
+* "leafy" trees, whose parameters sit only on leaf modules and each leaf is
+  dtype-uniform: every parameter there can be given a dtype-uniform unit, so
+  planning must succeed and the plan can be applied with real ``fully_shard``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import fsdptx
+from fsdptx import Plan, PlanningError
+from fsdptx.testing import fake_mesh
+from fsdptx.testing.strategies import ModuleSpec, TreeSpec, build_module, tree_specs
+
+BF16, FP32 = torch.bfloat16, torch.float32
+POLICIES: tuple[MixedPrecisionPolicy | None, ...] = (
+    None,
+    MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32),
+    MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16, output_dtype=FP32),
+)
+policies = st.sampled_from(POLICIES)
+# Tokens match module names, so a leaf's parameters are pinned all or none.
+fp32_tokens = st.lists(st.sampled_from(["m0.", "m1.", "m2."]), max_size=2, unique=True).map(tuple)
+
+APPLY_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PLAN_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def leafy(spec: ModuleSpec) -> ModuleSpec:
+    """The same tree with parameters only on leaves, each leaf keeping only the
+    parameters of its first parameter's dtype."""
+    if spec.children:
+        return dataclasses.replace(
+            spec, params=(), children=tuple((n, leafy(c)) for n, c in spec.children)
+        )
+    kept = tuple(p for p in spec.params if p.dtype == spec.params[0].dtype) if spec.params else ()
+    return dataclasses.replace(spec, params=kept)
+
+
+leafy_trees = tree_specs(max_ties=0).map(lambda t: TreeSpec(leafy(t.root)))
+
+
+def child_names(model: nn.Module) -> list[str]:
+    return [n for n, c in model.named_children()]
+
+
+@st.composite
+def block_choices(draw: st.DrawFn, model: nn.Module) -> list[str]:
+    """A random subset of the root's children, in registration order, as blocks."""
+    names = child_names(model)
+    chosen = draw(st.lists(st.sampled_from(names), unique=True)) if names else []
+    return [n for n in names if n in chosen]
+
+
+def snapshot(model: nn.Module) -> list[tuple[str, nn.Parameter, torch.dtype, torch.Size, torch.device]]:
+    return [(f, p, p.dtype, p.shape, p.device) for f, p in model.named_parameters(remove_duplicate=False)]
+
+
+def dtype_key(p: torch.Tensor, mp_policy: MixedPrecisionPolicy | None) -> tuple[torch.dtype, torch.dtype]:
+    """(storage, compute) with no pinned names: fp32 master weights compute in
+    a lower-precision policy's param dtype."""
+    if p.dtype == FP32 and mp_policy is not None and mp_policy.param_dtype == BF16:
+        return (FP32, BF16)
+    return (p.dtype, p.dtype)
+
+
+def holds_direct_params_in_mixed_subtree(model: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> bool:
+    """Whether some module holds parameters directly while its subtree mixes
+    (storage, compute) dtypes: the only shape of tree that can leave a
+    parameter without a dtype-uniform unit."""
+    for m in model.modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            if len({dtype_key(p, mp_policy) for p in m.parameters()}) > 1:
+                return True
+    return False
+
+
+def fsdp_groups(model: nn.Module) -> list[object]:
+    """The distinct FSDP parameter groups under ``model`` (one per unit that owns parameters)."""
+    seen: dict[int, object] = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = fully_shard.state(m)._fsdp_param_group
+            if group is not None:
+                seen.setdefault(id(group), group)
+    return list(seen.values())
+
+
+def apply_on_fake_mesh(model: nn.Module, p: Plan, world: int) -> list[list[nn.Parameter]]:
+    """Apply ``p`` with real ``fully_shard``; return each FSDP group's parameters."""
+    with fake_mesh((world,), ("dp",)) as mesh:
+        fsdptx.apply_plan(p, model, mesh)
+        return [[fp.sharded_param for fp in g.fsdp_params] for g in fsdp_groups(model)]  # type: ignore[attr-defined]
+
+
+def by_dtype(blocks: Sequence[str], tokens: tuple[str, ...]) -> Callable[..., Plan]:
+    return functools.partial(fsdptx.shard_by_dtype, blocks=list(blocks), fp32_compute_module_names=tokens)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@PLAN_SETTINGS
+@given(spec=tree_specs(), mp_policy=policies, tokens=fp32_tokens, data=st.data())
+def test_planning_never_changes_the_model(
+    spec: TreeSpec, mp_policy: MixedPrecisionPolicy | None, tokens: tuple[str, ...], data: st.DataObject
+) -> None:
+    """Invariant: after ``plan`` (successful or not) every parameter FQN names
+    the same object with the same dtype, shape and device."""
+    model = build_module(spec)
+    before = snapshot(model)
+    blocks = data.draw(block_choices(model))
+    try:
+        fsdptx.plan(model, by_dtype(blocks, tokens), mp_policy=mp_policy)
+    except PlanningError:
+        pass
+    after = snapshot(model)
+    assert len(after) == len(before)
+    for (f0, p0, *meta0), (f1, p1, *meta1) in zip(before, after):
+        assert f0 == f1 and p0 is p1 and meta0 == meta1
+
+
+@PLAN_SETTINGS
+@given(spec=tree_specs(max_ties=0), mp_policy=policies, data=st.data())
+def test_planning_error_needs_a_module_with_direct_params_in_a_mixed_subtree(
+    spec: TreeSpec, mp_policy: MixedPrecisionPolicy | None, data: st.DataObject
+) -> None:
+    """Invariant: on a tree without tied parameters, ``shard_by_dtype`` only
+    fails when some module holds parameters directly while its own subtree
+    mixes (storage, compute) dtypes; such a parameter has no dtype-uniform
+    subtree to live in. The error names the parameters."""
+    model = build_module(spec)
+    blocks = data.draw(block_choices(model))
+    try:
+        fsdptx.plan(model, by_dtype(blocks, ()), mp_policy=mp_policy)
+    except PlanningError as e:
+        assert holds_direct_params_in_mixed_subtree(model, mp_policy), str(e)
+        assert any(f in str(e) for f, _ in model.named_parameters())
+
+
+@PLAN_SETTINGS
+@given(spec=leafy_trees, mp_policy=policies, tokens=fp32_tokens, data=st.data())
+def test_planned_units_own_every_parameter_exactly_once(
+    spec: TreeSpec, mp_policy: MixedPrecisionPolicy | None, tokens: tuple[str, ...], data: st.DataObject
+) -> None:
+    """Invariant: on a leafy tree ``shard_by_dtype`` succeeds, and the units'
+    ``params`` partition the model's parameters (the root owns the rest)."""
+    model = build_module(spec)
+    blocks = data.draw(block_choices(model))
+    p = fsdptx.plan(model, by_dtype(blocks, tokens), mp_policy=mp_policy)
+    owned = [f for u in p.units for f in u.params]
+    assert sorted(owned) == sorted(f for f, _ in model.named_parameters())
+
+
+@PLAN_SETTINGS
+@given(spec=leafy_trees, mp_policy=policies, tokens=fp32_tokens, data=st.data())
+def test_planned_units_are_storage_and_compute_uniform(
+    spec: TreeSpec, mp_policy: MixedPrecisionPolicy | None, tokens: tuple[str, ...], data: st.DataObject
+) -> None:
+    """Invariant: every unit that owns parameters records one storage and one
+    compute dtype, and its policy (when mixed precision is on) computes in it."""
+    model = build_module(spec)
+    blocks = data.draw(block_choices(model))
+    p = fsdptx.plan(model, by_dtype(blocks, tokens), mp_policy=mp_policy)
+    params = dict(model.named_parameters())
+    for u in p.units:
+        if not u.params:
+            continue
+        assert {params[f].dtype for f in u.params} == {u.storage_dtype}
+        assert u.compute_dtype is not None
+        if u.mp_policy is not None:
+            assert u.mp_policy.param_dtype == u.compute_dtype
+
+
+# --------------------------------------------------------------------------- applying
+
+
+@APPLY_SETTINGS
+@given(spec=leafy_trees, mp_policy=policies, tokens=fp32_tokens, world=st.sampled_from([2, 4]), data=st.data())
+def test_applied_plan_puts_every_parameter_in_exactly_one_fsdp_group(
+    spec: TreeSpec,
+    mp_policy: MixedPrecisionPolicy | None,
+    tokens: tuple[str, ...],
+    world: int,
+    data: st.DataObject,
+) -> None:
+    """Invariant: after ``apply_plan`` with real ``fully_shard`` each parameter
+    of the model is managed by exactly one FSDP parameter group."""
+    model = build_module(spec)
+    blocks = data.draw(block_choices(model))
+    p = fsdptx.plan(model, by_dtype(blocks, tokens), mp_policy=mp_policy)
+    groups = apply_on_fake_mesh(model, p, world)
+    for f, param in model.named_parameters():
+        holders = [g for g in groups if any(q is param for q in g)]
+        assert len(holders) == 1, f"{f} is in {len(holders)} FSDP groups"
+
+
+@APPLY_SETTINGS
+@given(spec=leafy_trees, mp_policy=policies, tokens=fp32_tokens, world=st.sampled_from([2, 4]), data=st.data())
+def test_applied_fsdp_groups_are_storage_dtype_uniform(
+    spec: TreeSpec,
+    mp_policy: MixedPrecisionPolicy | None,
+    tokens: tuple[str, ...],
+    world: int,
+    data: st.DataObject,
+) -> None:
+    """Invariant: after ``apply_plan`` with real ``fully_shard`` the trainable
+    parameters of every FSDP group share one storage dtype (what FSDP2's
+    "uniform original parameter dtype" assertion demands)."""
+    model = build_module(spec)
+    blocks = data.draw(block_choices(model))
+    p = fsdptx.plan(model, by_dtype(blocks, tokens), mp_policy=mp_policy)
+    groups = apply_on_fake_mesh(model, p, world)
+    for g in groups:
+        assert len({q.dtype for q in g if q.requires_grad}) <= 1
+
+
+# --------------------------------------------------------------------------- compose
+
+
+def fp32_holders(block: nn.Module) -> list[str]:
+    """Block-relative FQNs of submodules holding only fp32 parameters (at least one)."""
+    return [
+        f
+        for f, m in block.named_modules()
+        if f and (ps := list(m.parameters())) and all(q.dtype == FP32 for q in ps)
+    ]
+
+
+@st.composite
+def block_models(draw: st.DrawFn) -> nn.Module:
+    """A root with ``layers`` (1-3 copies of one random block template, no
+    ties; leafy half of the time so that most examples plan) and an ``extra``
+    subtree the root unit must own."""
+    general = tree_specs(max_ties=0, max_depth=2)
+    template = draw(st.one_of(general.map(lambda t: TreeSpec(leafy(t.root))), general))
+    extra = draw(tree_specs(max_ties=0, max_depth=1))
+    root = nn.Module()
+    root.layers = nn.ModuleList(build_module(template) for _ in range(draw(st.integers(1, 3))))
+    root.extra = build_module(extra)
+    return root
+
+
+def plan_or_error(model: nn.Module, transform: Callable[..., Plan], mp_policy: MixedPrecisionPolicy | None) -> Plan | str:
+    try:
+        return fsdptx.plan(model, transform, mp_policy=mp_policy)
+    except PlanningError:
+        return "PlanningError"
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=block_models(), mp_policy=policies, data=st.data())
+def test_compose_plan_does_not_depend_on_transform_order(
+    model: nn.Module, mp_policy: MixedPrecisionPolicy | None, data: st.DataObject
+) -> None:
+    """Invariant: for any block choice, fp32 cross-block holder and reduction
+    mark, all six orders of ``shard_by_dtype``, ``shard_across_blocks`` and
+    ``mark_reduction`` give equal Plans, or all fail to plan."""
+    n = len(model.layers)
+    layer_names = [f"layers.{i}" for i in range(n)]
+    dtype_blocks = data.draw(st.lists(st.sampled_from(layer_names), unique=True))
+    cross_blocks = data.draw(st.lists(st.sampled_from(layer_names), min_size=1, unique=True))
+    holders = fp32_holders(model.layers[0])
+    names = [data.draw(st.sampled_from(holders))] if holders else []
+    marked = data.draw(st.sampled_from([f for f, _ in model.named_modules()]))
+    transforms = (
+        functools.partial(fsdptx.shard_by_dtype, blocks=sorted(dtype_blocks)),
+        functools.partial(fsdptx.shard_across_blocks, blocks=sorted(cross_blocks), module_names=names),
+        functools.partial(fsdptx.mark_reduction, reductions={marked or "*": "sum"}),
+    )
+    outcomes = [plan_or_error(model, fsdptx.compose(*order), mp_policy) for order in itertools.permutations(transforms)]
+    assert all(o == outcomes[0] for o in outcomes[1:]), [str(o) for o in outcomes]
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=block_models(), mp_policy=policies, data=st.data())
+def test_compose_equals_cross_blocks_then_dtype_step_by_step(
+    model: nn.Module, mp_policy: MixedPrecisionPolicy | None, data: st.DataObject
+) -> None:
+    """Invariant: a composed pipeline gives the Plan (or the failure) of
+    applying ``shard_across_blocks`` and then ``shard_by_dtype`` one at a time:
+    cross-block units are resolved first whatever the order, and dtype units
+    exclude their holders."""
+    holders = fp32_holders(model.layers[0])
+    names = [data.draw(st.sampled_from(holders))] if holders else []
+    by_dtype_t = functools.partial(fsdptx.shard_by_dtype)
+    across_t = functools.partial(fsdptx.shard_across_blocks, module_names=names)
+
+    def step_by_step(m: nn.Module, p: Plan) -> Plan:
+        return by_dtype_t(m, across_t(m, p))
+
+    composed = plan_or_error(model, fsdptx.compose(by_dtype_t, across_t), mp_policy)
+    assert composed == plan_or_error(model, step_by_step, mp_policy)

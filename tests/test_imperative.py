@@ -1,0 +1,324 @@
+"""The seed-compatible imperative API: fully_shard_by_dtype,
+fully_shard_across_blocks, configure_fsdp_unused_param_reduction and the
+MTP/CP guards."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from models import BF16, DIM, FP32, Block, CastLinear, Mlp, make_decoder
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import fsdptx
+from fsdptx.testing import fake_mesh
+
+BF16_POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, output_dtype=BF16)
+MESH = object()  # the recording primitive never looks at the mesh
+
+
+class RecordingPrimitive:
+    """Stands in for ``fully_shard``: records ``(modules, kwargs)`` and does nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[nn.Module | list[nn.Module], dict[str, Any]]] = []
+
+    def __call__(self, modules: nn.Module | list[nn.Module], **kwargs: Any) -> None:
+        self.calls.append((modules, kwargs))
+
+    def targets(self) -> list[nn.Module | list[nn.Module]]:
+        return [m for m, _ in self.calls]
+
+
+def by_dtype(
+    module: nn.Module,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    fp32_names: tuple[str, ...] = (),
+    reshard: bool | int | None = None,
+    ignored: set[nn.Parameter] | None = None,
+) -> RecordingPrimitive:
+    prim = RecordingPrimitive()
+    fsdptx.fully_shard_by_dtype(
+        module, MESH, mp_policy, None, fp32_names, reshard, ignored, shard_module=prim  # type: ignore[arg-type]
+    )
+    return prim
+
+
+class FP32Scaled(nn.Module):
+    """A block whose own fp32 ``scale`` sits beside bf16 submodules: it cannot
+    be given a dtype-uniform unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = Mlp()
+        self.proj = CastLinear(DIM, DIM, BF16)
+        self.scale = nn.Parameter(torch.ones(DIM, dtype=FP32))
+        self.mlp.shift = nn.Parameter(torch.zeros(DIM, dtype=FP32))
+
+
+# --------------------------------------------------------------------------- fully_shard_by_dtype
+
+
+def test_by_dtype_one_group_shards_the_module_once() -> None:
+    mlp = Mlp()
+    prim = by_dtype(mlp, BF16_POLICY)
+    assert prim.targets() == [mlp]
+    assert prim.calls[0][1]["mp_policy"] == BF16_POLICY
+
+
+def test_by_dtype_two_groups_shard_minority_subtrees_then_the_module() -> None:
+    block = Block()
+    prim = by_dtype(block)
+    assert prim.targets() == [block.attn.sinks, block.gate, block]
+
+
+def test_by_dtype_two_groups_give_children_internal_policy_and_module_the_callers() -> None:
+    block = Block()
+    # Without pinning, sinks and gate are fp32 master weights computing in bf16.
+    prim = by_dtype(block, BF16_POLICY)
+    policies = [kw["mp_policy"] for _, kw in prim.calls]
+    assert prim.targets() == [block.attn.sinks, block.gate, block]
+    assert [p.output_dtype for p in policies] == [None, None, BF16]
+    assert {p.param_dtype for p in policies} == {BF16}
+
+
+def test_by_dtype_three_groups_shard_every_maximal_uniform_subtree() -> None:
+    block = Block()
+    prim = by_dtype(block, BF16_POLICY, fp32_names=("sinks",))
+    assert prim.targets() == [block.attn.q, block.attn.o, block.attn.sinks, block.mlp, block.gate]
+
+
+def test_by_dtype_pinned_fp32_unit_reduces_in_fp32_without_casting_inputs() -> None:
+    block = Block()
+    prim = by_dtype(block, BF16_POLICY, fp32_names=("sinks",))
+    (sinks_kwargs,) = [kw for m, kw in prim.calls if m is block.attn.sinks]
+    assert sinks_kwargs["mp_policy"] == MixedPrecisionPolicy(
+        param_dtype=FP32, reduce_dtype=FP32, output_dtype=None, cast_forward_inputs=False
+    )
+
+
+def test_by_dtype_does_not_pass_reshard_after_forward_none() -> None:
+    prim = by_dtype(Block())
+    assert all("reshard_after_forward" not in kw for _, kw in prim.calls)
+
+
+def test_by_dtype_passes_explicit_reshard_after_forward_to_every_unit() -> None:
+    prim = by_dtype(Block(), reshard=False)
+    assert [kw["reshard_after_forward"] for _, kw in prim.calls] == [False, False, False]
+
+
+def test_by_dtype_forwards_ignored_params_only_to_units_containing_them() -> None:
+    block = Block()
+    prim = by_dtype(block, ignored={block.gate.proj.weight})
+    with_ignored = [(m, kw["ignored_params"]) for m, kw in prim.calls if "ignored_params" in kw]
+    assert prim.targets() == [block.attn.sinks, block]
+    assert with_ignored == [(block, {block.gate.proj.weight})]
+
+
+def test_by_dtype_keeps_the_module_as_a_unit_when_only_it_can_hold_ignored_params() -> None:
+    block = Block()
+    prim = by_dtype(block, BF16_POLICY, fp32_names=("sinks",), ignored={block.attn.q.weight})
+    assert prim.targets()[-1] is block
+    assert prim.calls[-1][1]["ignored_params"] == {block.attn.q.weight}
+
+
+def test_by_dtype_ignores_ignored_params_from_outside_the_module() -> None:
+    mlp, stranger = Mlp(), nn.Parameter(torch.zeros(2))
+    prim = by_dtype(mlp, ignored={stranger})
+    assert prim.targets() == [mlp] and "ignored_params" not in prim.calls[0][1]
+
+
+def test_by_dtype_raises_naming_every_unisolable_param_before_any_call() -> None:
+    prim = RecordingPrimitive()
+    with pytest.raises(ValueError) as info:
+        fsdptx.fully_shard_by_dtype(FP32Scaled(), MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
+    assert "scale" in str(info.value) and "mlp.shift" in str(info.value)
+    assert prim.calls == []
+
+
+def test_by_dtype_with_real_fully_shard_makes_each_unit_an_fsdp_module() -> None:
+    block = Block()
+    with fake_mesh((2,), ("dp",)) as mesh:
+        fsdptx.fully_shard_by_dtype(block, mesh, BF16_POLICY, None, ("sinks",))
+        sharded = {f for f, m in block.named_modules() if isinstance(m, FSDPModule)}
+    assert sharded == {"attn.q", "attn.o", "attn.sinks", "mlp", "gate"}
+    assert all(isinstance(p, DTensor) for p in block.parameters())
+
+
+# --------------------------------------------------------------------------- fully_shard_across_blocks
+
+
+def test_across_blocks_makes_one_call_with_every_blocks_holder() -> None:
+    blocks = [Block() for _ in range(3)]
+    prim = RecordingPrimitive()
+    fsdptx.fully_shard_across_blocks(blocks, ["attn.sinks"], MESH, BF16_POLICY, None, shard_module=prim)  # type: ignore[arg-type]
+    assert prim.targets() == [[b.attn.sinks for b in blocks]]
+
+
+def test_across_blocks_unit_is_fp32_internal_and_not_resharded() -> None:
+    prim = RecordingPrimitive()
+    fsdptx.fully_shard_across_blocks([Block(), Block()], ["attn.sinks"], MESH, BF16_POLICY, None, shard_module=prim)  # type: ignore[arg-type]
+    kwargs = prim.calls[0][1]
+    assert kwargs["reshard_after_forward"] is False
+    assert kwargs["mp_policy"] == MixedPrecisionPolicy(
+        param_dtype=FP32, reduce_dtype=FP32, output_dtype=None, cast_forward_inputs=False
+    )
+
+
+def test_across_blocks_makes_one_call_per_name() -> None:
+    blocks = [Block(), Block()]
+    prim = RecordingPrimitive()
+    fsdptx.fully_shard_across_blocks(blocks, ["attn.sinks", "gate"], MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
+    assert prim.targets() == [[b.attn.sinks for b in blocks], [b.gate for b in blocks]]
+
+
+def test_across_blocks_looks_through_checkpoint_wrappers() -> None:
+    blocks = [Block(), Block()]
+    wrapped = [checkpoint_wrapper(b) for b in blocks]
+    prim = RecordingPrimitive()
+    fsdptx.fully_shard_across_blocks(wrapped, ["attn.sinks"], MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
+    assert prim.targets() == [[b.attn.sinks for b in blocks]]
+
+
+def test_across_blocks_does_not_reparent_the_blocks() -> None:
+    model = make_decoder()
+    prim = RecordingPrimitive()
+    fsdptx.fully_shard_across_blocks(list(model.layers), ["attn.sinks"], MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
+    assert [f for f, _ in model.named_modules()] == [f for f, _ in make_decoder().named_modules()]
+
+
+def test_across_blocks_returns_the_dtensor_params_now_owned() -> None:
+    blocks = [Block(), Block()]
+    with fake_mesh((2,), ("dp",)) as mesh:
+        owned = fsdptx.fully_shard_across_blocks(blocks, ["attn.sinks"], mesh, None, None)
+    current = [b.attn.sinks.weight for b in blocks]
+    assert len(owned) == 2 and all(any(o is c for c in current) for o in owned)
+    assert all(isinstance(p, DTensor) and isinstance(p, nn.Parameter) for p in owned)
+
+
+def test_across_blocks_params_serve_as_ignored_params_of_enclosing_units() -> None:
+    blocks = [Block(), Block()]
+    with fake_mesh((2,), ("dp",)) as mesh:
+        owned = fsdptx.fully_shard_across_blocks(blocks, ["attn.sinks"], mesh, None, None)
+        for b in blocks:
+            fsdptx.fully_shard_by_dtype(b, mesh, None, None, ignored_params=owned)
+        groups = {id(fully_shard.state(b.attn.sinks)._fsdp_param_group) for b in blocks}
+    assert len(groups) == 1 and all(isinstance(b, FSDPModule) for b in blocks)
+
+
+def test_across_blocks_non_fp32_holder_raises_naming_the_params_before_any_call() -> None:
+    prim = RecordingPrimitive()
+    with pytest.raises(ValueError, match=r"'mlp'.*0\.mlp\.up\.weight is bfloat16") as info:
+        fsdptx.fully_shard_across_blocks([Block(), Block()], ["mlp"], MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
+    assert "1.mlp.down.weight is bfloat16" in str(info.value)
+    assert prim.calls == []
+
+
+def test_across_blocks_unknown_name_raises_naming_it_before_any_call() -> None:
+    prim = RecordingPrimitive()
+    with pytest.raises(ValueError, match=r"'attn\.sink'"):
+        fsdptx.fully_shard_across_blocks(
+            [Block(), Block()], ["attn.sinks", "attn.sink"], MESH, None, None, shard_module=prim  # type: ignore[arg-type]
+        )
+    assert prim.calls == []
+
+
+# --------------------------------------------------------------------------- configure_fsdp_unused_param_reduction
+
+
+def test_unused_param_reduction_counts_a_multi_module_unit_once() -> None:
+    model = make_decoder(3)
+    pipeline = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks)
+    with fake_mesh((2,), ("dp",)) as mesh:
+        p = fsdptx.plan(model, pipeline)
+        fsdptx.apply_plan(p, model, mesh)
+        count = fsdptx.configure_fsdp_unused_param_reduction(model)
+    assert count == len(p.units) == 8  # cross-block, 3 x (gate, block), root
+
+
+def test_unused_param_reduction_sets_the_fsdp_flag_on_every_unit() -> None:
+    model = make_decoder()
+    pipeline = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks)
+    with fake_mesh((2,), ("dp",)) as mesh:
+        fsdptx.apply_plan(fsdptx.plan(model, pipeline), model, mesh)
+        groups = {
+            id(g): g
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+            for g in [fully_shard.state(m)._fsdp_param_group]
+        }
+        before = {g.reduce_scatter_unused_params for g in groups.values()}
+        fsdptx.configure_fsdp_unused_param_reduction(model)
+        after = {g.reduce_scatter_unused_params for g in groups.values()}
+    assert (before, after) == ({False}, {True})
+
+
+def test_unused_param_reduction_on_unsharded_model_returns_zero() -> None:
+    assert fsdptx.configure_fsdp_unused_param_reduction(make_decoder()) == 0
+
+
+def test_unused_param_reduction_covers_only_the_given_subtree() -> None:
+    model = make_decoder()
+    with fake_mesh((2,), ("dp",)) as mesh:
+        fsdptx.apply_plan(fsdptx.plan(model, fsdptx.shard_by_dtype), model, mesh)
+        count = fsdptx.configure_fsdp_unused_param_reduction(model.layers[0])
+        root_flag = fully_shard.state(model)._fsdp_param_group.reduce_scatter_unused_params
+    assert (count, root_flag) == (3, False)  # sinks, gate, block
+
+
+# --------------------------------------------------------------------------- MTP / CP guards
+
+
+class WithSupports(nn.Module):
+    def __init__(self, **flags: bool) -> None:
+        super().__init__()
+        self.supports = SimpleNamespace(**flags)
+
+
+def test_mtp_cp_rejects_enabled_mtp_without_cp_support() -> None:
+    with pytest.raises(ValueError, match="WithSupports.*supports_mtp_cp"):
+        fsdptx.reject_unsupported_mtp_cp(WithSupports(mtp_enabled=True, supports_mtp_cp=False))
+
+
+def test_mtp_cp_accepts_enabled_mtp_with_cp_support() -> None:
+    fsdptx.reject_unsupported_mtp_cp(WithSupports(mtp_enabled=True, supports_mtp_cp=True))
+
+
+def test_mtp_cp_accepts_disabled_mtp() -> None:
+    fsdptx.reject_unsupported_mtp_cp(WithSupports(mtp_enabled=False))
+
+
+def test_mtp_cp_accepts_model_without_supports() -> None:
+    fsdptx.reject_unsupported_mtp_cp(make_decoder())
+
+
+def test_mtp_cp_pp_rejects_pipeline_without_cp_pp_support() -> None:
+    model = WithSupports(mtp_enabled=True, supports_mtp_cp=True, supports_mtp_cp_pp=False)
+    with pytest.raises(ValueError, match=r"pp_size=2.*supports_mtp_cp_pp"):
+        fsdptx.reject_unsupported_mtp_cp_pp(model, pp_size=2)
+
+
+def test_mtp_cp_pp_accepts_pipeline_with_cp_pp_support() -> None:
+    model = WithSupports(mtp_enabled=True, supports_mtp_cp=True, supports_mtp_cp_pp=True)
+    fsdptx.reject_unsupported_mtp_cp_pp(model, pp_size=4)
+
+
+@pytest.mark.parametrize("pp_size", [None, 1])
+def test_mtp_cp_pp_without_pipeline_needs_only_cp_support(pp_size: int | None) -> None:
+    model = WithSupports(mtp_enabled=True, supports_mtp_cp=True, supports_mtp_cp_pp=False)
+    fsdptx.reject_unsupported_mtp_cp_pp(model, pp_size=pp_size)
+
+
+def test_mtp_cp_pp_still_rejects_missing_cp_support() -> None:
+    model = WithSupports(mtp_enabled=True, supports_mtp_cp=False, supports_mtp_cp_pp=True)
+    with pytest.raises(ValueError, match="supports_mtp_cp;"):
+        fsdptx.reject_unsupported_mtp_cp_pp(model, pp_size=2)
+
+
+def test_mtp_cp_pp_accepts_model_without_supports() -> None:
+    fsdptx.reject_unsupported_mtp_cp_pp(make_decoder(), pp_size=8)
