@@ -171,8 +171,17 @@ def _run_chunked(
     for (device, dtype), members in groups.items():
         work = [tensors[i] if tensors[i].is_contiguous() else tensors[i].contiguous() for i in members]
         owner, consumed = 0, 0
+        # One allocation per group, reused by every chunk: a fresh buffer per
+        # chunk can overlap the previous one, which stays alive until its last
+        # reference goes, and the backend's worker thread may drop that
+        # reference only after the next buffer is allocated.
+        storage: torch.Tensor | None = None
         for chunk in gradient_chunks(work, max_bytes):
-            buffer = torch.empty(sum(p.numel() for p in chunk), dtype=dtype, device=device)
+            numel = sum(p.numel() for p in chunk)
+            if storage is None or storage.numel() < numel:
+                storage = None  # free the smaller one before allocating
+                storage = torch.empty(numel, dtype=dtype, device=device)
+            buffer = storage[:numel]
             offset = 0
             for piece in chunk:
                 buffer[offset : offset + piece.numel()].copy_(piece.reshape(-1))
@@ -182,11 +191,13 @@ def _run_chunked(
             for piece in chunk:
                 if consumed == work[owner].numel():  # pieces arrive in tensor order
                     owner, consumed = owner + 1, 0
-                segment = finish(members[owner], buffer[offset : offset + piece.numel()])
-                piece.copy_(segment.view(piece.shape))
+                # No name may hold a view of the buffer past this group (it
+                # would keep it alive while the next group's is allocated).
+                piece.copy_(finish(members[owner], buffer[offset : offset + piece.numel()]).view(piece.shape))
                 offset += piece.numel()
                 consumed += piece.numel()
             del buffer
+        storage = None
         for i, w in zip(members, work):
             if w is not tensors[i]:
                 tensors[i].copy_(w)
