@@ -8,6 +8,9 @@ module's parameters with new DTensor parameters, but keeps the module (and its
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from torch import nn
 
 from ._plan import REDUCTIONS, Reduction
@@ -21,6 +24,7 @@ __all__ = [
 
 _REDUCTION_ATTR = "_fsdptx_tp_replica_reductions"
 _EXCLUDE_ATTR = "_fsdptx_tp_replica_sync_excluded"
+_NO_MARKS: Mapping[str, Reduction] = MappingProxyType({})
 
 
 def check_reduction(reduction: object, where: str) -> Reduction:
@@ -52,8 +56,15 @@ def mark_parameter_reduction(module: nn.Module, name: str, reduction: Reduction)
 
 def tp_replica_reduction(module: nn.Module, name: str) -> Reduction:
     """The reduction of ``module``'s direct parameter ``name`` (``"mean"`` unless marked)."""
-    marks: dict[str, Reduction] = getattr(module, _REDUCTION_ATTR, {})
-    return marks.get(name, "mean")
+    return module_reductions(module).get(name, "mean")
+
+
+def module_reductions(module: nn.Module) -> Mapping[str, Reduction]:
+    """All marks of ``module``'s direct parameters, by local name (unmarked: absent)."""
+    # The instance __dict__ directly: nn.Module.__getattr__ makes a missing
+    # attribute an exception, which costs more than the whole lookup.
+    marks: Mapping[str, Reduction] = module.__dict__.get(_REDUCTION_ATTR, _NO_MARKS)
+    return marks
 
 
 def exclude_from_tp_replica_sync(module: nn.Module) -> None:
@@ -69,4 +80,4 @@ def exclude_from_tp_replica_sync(module: nn.Module) -> None:
 
 def is_excluded_from_tp_replica_sync(module: nn.Module) -> bool:
     """Whether ``module`` itself carries the exclusion mark (ancestors not consulted)."""
-    return bool(getattr(module, _EXCLUDE_ATTR, False))
+    return bool(module.__dict__.get(_EXCLUDE_ATTR, False))

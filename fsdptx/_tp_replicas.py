@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from ._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
 from ._dtypes import gradient_reduce_dtype
-from ._marks import is_excluded_from_tp_replica_sync, tp_replica_reduction
+from ._marks import is_excluded_from_tp_replica_sync, module_reductions
 from ._plan import Reduction
-from ._tree import iter_unique_named_buffers, iter_unique_named_parameters, join_fqn
+from ._tree import rank_stable_unique
 
 __all__ = ["broadcast_tp_replicas", "is_tp_replicated", "synchronize_tp_replica_gradients"]
 
@@ -113,29 +113,46 @@ def _tp_context(device_mesh: DeviceMesh | None, tp_axis_name: str) -> _TPContext
 
 
 @dataclass(frozen=True)
-class _Marks:
-    excluded: frozenset[int]  # ids of tensors under an excluded module (any of their names)
-    reduction: dict[int, Reduction]  # param id -> reduction, from its smallest (part, FQN) name
+class _Entry:
+    fqn: str
+    tensor: torch.Tensor
+    reduction: Reduction
 
 
-def _collect_marks(parts: list[nn.Module]) -> _Marks:
+def _collect(parts: list[nn.Module]) -> tuple[list[_Entry], list[_Entry]]:
+    """Every parameter and buffer outside excluded subtrees, once each, in
+    rank-stable order: one walk of the model per call.
+
+    A tensor reachable under an excluded module through any of its names stays
+    rank-local. A tied parameter takes the reduction of its smallest name, so
+    every rank resolves a conflict the same way.
+    """
+    params: list[tuple[int, str, torch.Tensor, Reduction]] = []
+    buffers: list[tuple[int, str, torch.Tensor, Reduction]] = []
     excluded: set[int] = set()
-    reduction: dict[int, tuple[tuple[int, str], Reduction]] = {}
     for index, part in enumerate(parts):
         stack: list[tuple[str, nn.Module, bool]] = [("", part, False)]
         while stack:
             fqn, module, under_excluded = stack.pop()
             under_excluded = under_excluded or is_excluded_from_tp_replica_sync(module)
-            tensors = [(n, t) for n, t in module._parameters.items() if t is not None]
-            for name, p in tensors:
-                where = (index, join_fqn(fqn, name))
-                if id(p) not in reduction or where < reduction[id(p)][0]:
-                    reduction[id(p)] = (where, tp_replica_reduction(module, name))
-            if under_excluded:
-                excluded.update(id(t) for _n, t in tensors)
-                excluded.update(id(b) for b in module._buffers.values() if b is not None)
-            stack.extend((join_fqn(fqn, n), c, under_excluded) for n, c in module._modules.items() if c is not None)
-    return _Marks(frozenset(excluded), {k: v[1] for k, v in reduction.items()})
+            prefix = fqn + "." if fqn else ""
+            marks = module_reductions(module)
+            for name, p in module._parameters.items():
+                if p is not None:
+                    params.append((index, prefix + name, p, marks.get(name, "mean")))
+                    if under_excluded:
+                        excluded.add(id(p))
+            for name, b in module._buffers.items():
+                if b is not None:
+                    buffers.append((index, prefix + name, b, "mean"))
+                    if under_excluded:
+                        excluded.add(id(b))
+            stack.extend((prefix + n, c, under_excluded) for n, c in module._modules.items() if c is not None)
+
+    def kept(entries: list[tuple[int, str, torch.Tensor, Reduction]]) -> list[_Entry]:
+        return [_Entry(f, t, r) for _i, f, t, r in rank_stable_unique(entries) if id(t) not in excluded]
+
+    return kept(params), kept(buffers)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -147,22 +164,40 @@ def _parts(model_parts: ModelParts) -> list[nn.Module]:
     return [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
 
 
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i, in one foreach op for the pairs of
+    equal dtype. Casting pairs are copied one by one: a casting ``cat`` or
+    foreach copy stages each input through a temporary, which would push the
+    peak past the buffer budget."""
+    same = [i for i, (d, s) in enumerate(zip(dst, src)) if d.dtype == s.dtype]
+    if same:
+        torch._foreach_copy_([dst[i] for i in same], [src[i] for i in same])
+    if len(same) < len(dst):
+        for d, s in zip(dst, src):
+            if d.dtype != s.dtype:
+                d.copy_(s)
+
+
 def _run_chunked(
-    ctx: _TPContext,
     tensors: list[torch.Tensor],
     comm_dtype: Callable[[torch.dtype], torch.dtype],
     max_bytes: int,
     collective: Callable[[torch.Tensor], None],
-    finish: Callable[[int, torch.Tensor], torch.Tensor] = lambda _i, seg: seg,
+    divide: Sequence[bool] = (),
+    divisor: float = 1.0,
 ) -> None:
     """Communicate ``tensors`` in place through flat buffers of at most
     ``max_bytes``, one group per (device, communication dtype), in the given
-    order. ``finish(i, segment)`` post-processes tensor ``i``'s reduced values
-    (e.g. divides a mean) before they are cast back and written.
+    order; afterwards tensor ``i``'s values are divided by ``divisor`` where
+    ``divide[i]`` (a mean is a sum, then this division).
 
-    Only one buffer is alive at a time, so the extra memory is bounded by the
-    budget whatever the model. Non-contiguous tensors go through a contiguous
-    copy (they must be viewable to be cut into pieces).
+    Packing and unpacking are a few foreach ops per chunk rather than a few
+    small ops per tensor, which is what keeps the local work small next to the
+    collective. One allocation per group is reused by every chunk:
+    a fresh buffer per chunk could overlap the previous one, which the
+    backend's worker thread may release only after the next is allocated. So
+    the extra memory is bounded by the budget (plus contiguous copies of any
+    non-contiguous tensors, which are rare for gradients).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -170,33 +205,30 @@ def _run_chunked(
             groups.setdefault((t.device, comm_dtype(t.dtype)), []).append(i)
     for (device, dtype), members in groups.items():
         work = [tensors[i] if tensors[i].is_contiguous() else tensors[i].contiguous() for i in members]
+        flat = [w.view(-1) for w in work]
         owner, consumed = 0, 0
-        # One allocation per group, reused by every chunk: a fresh buffer per
-        # chunk can overlap the previous one, which stays alive until its last
-        # reference goes, and the backend's worker thread may drop that
-        # reference only after the next buffer is allocated.
         storage: torch.Tensor | None = None
-        for chunk in gradient_chunks(work, max_bytes):
-            numel = sum(p.numel() for p in chunk)
+        for chunk in gradient_chunks(flat, max_bytes):
+            sizes = [piece.numel() for piece in chunk]
+            numel = sum(sizes)
             if storage is None or storage.numel() < numel:
                 storage = None  # free the smaller one before allocating
                 storage = torch.empty(numel, dtype=dtype, device=device)
             buffer = storage[:numel]
-            offset = 0
-            for piece in chunk:
-                buffer[offset : offset + piece.numel()].copy_(piece.reshape(-1))
-                offset += piece.numel()
+            segments = list(buffer.split(sizes))
+            _copy_all(segments, chunk)
             collective(buffer)
-            offset = 0
-            for piece in chunk:
-                if consumed == work[owner].numel():  # pieces arrive in tensor order
+            to_divide = []
+            for size, segment in zip(sizes, segments):
+                if consumed == flat[owner].numel():  # pieces arrive in tensor order
                     owner, consumed = owner + 1, 0
-                # No name may hold a view of the buffer past this group (it
-                # would keep it alive while the next group's is allocated).
-                piece.copy_(finish(members[owner], buffer[offset : offset + piece.numel()]).view(piece.shape))
-                offset += piece.numel()
-                consumed += piece.numel()
-            del buffer
+                if divide and divide[members[owner]]:
+                    to_divide.append(segment)
+                consumed += size
+            if to_divide:
+                torch._foreach_div_(to_divide, divisor)
+            _copy_all(chunk, segments)
+            del buffer, segments, to_divide
         storage = None
         for i, w in zip(members, work):
             if w is not tensors[i]:
@@ -223,22 +255,12 @@ def broadcast_tp_replicas(
     ctx = _tp_context(device_mesh, tp_axis_name)
     if ctx is None:
         return 0
-    parts = _parts(model_parts)
-    marks = _collect_marks(parts)
+    params, buffers = _collect(_parts(model_parts))
     replicated = ctx.replicated()
-    chosen: list[torch.Tensor] = []
-    for _fqn, t in [*iter_unique_named_parameters(parts), *iter_unique_named_buffers(parts)]:
-        if id(t) not in marks.excluded and replicated(t):
-            chosen.append(_local(t).detach())
+    chosen = [_local(e.tensor) for e in (*params, *buffers) if replicated(e.tensor)]
     src = ctx.ranks[0]
     with torch.no_grad():
-        _run_chunked(
-            ctx,
-            chosen,
-            lambda d: d,
-            max_bytes,
-            lambda buf: dist.broadcast(buf, src=src, group=ctx.group),
-        )
+        _run_chunked(chosen, lambda d: d, max_bytes, lambda buf: dist.broadcast(buf, src=src, group=ctx.group))
     return len(chosen)
 
 
@@ -251,26 +273,14 @@ def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _HASH_MASK
 
 
-@dataclass(frozen=True)
-class _Candidate:
-    fqn: str
-    param: nn.Parameter
-    reduction: Reduction
-
-
-def _candidates(parts: list[nn.Module], ctx: _TPContext) -> list[_Candidate]:
+def _candidates(parts: list[nn.Module], ctx: _TPContext) -> list[_Entry]:
     """Replicated, non-excluded parameters in rank-stable order: the set every
     TP peer must agree on, whatever their grads look like."""
-    marks = _collect_marks(parts)
     replicated = ctx.replicated()
-    return [
-        _Candidate(fqn, p, marks.reduction.get(id(p), "mean"))
-        for fqn, p in iter_unique_named_parameters(parts)
-        if id(p) not in marks.excluded and replicated(p)
-    ]
+    return [e for e in _collect(parts)[0] if replicated(e.tensor)]
 
 
-def _state(p: nn.Parameter) -> tuple[int, str, int]:
+def _state(p: torch.Tensor) -> tuple[int, str, int]:
     g = p.grad
     if g is None:
         return (_NO_GRAD, "", 0)
@@ -280,7 +290,7 @@ def _state(p: nn.Parameter) -> tuple[int, str, int]:
     return (_DENSE, str(local.dtype), local.numel())
 
 
-def _agree(ctx: _TPContext, cands: list[_Candidate]) -> None:
+def _agree(ctx: _TPContext, cands: list[_Entry]) -> None:
     """Check, with one small collective, that all TP peers are about to reduce
     the same thing; raise the same ``RuntimeError`` on every peer if not.
 
@@ -293,9 +303,9 @@ def _agree(ctx: _TPContext, cands: list[_Candidate]) -> None:
     because the counts and FQN digests agreed. On a fake process group the
     collective returns the local input, so local checks (sparsity) still fire.
     """
-    states = [_state(c.param) for c in cands]
+    states = [_state(c.tensor) for c in cands]
     fqn_digest = _digest("\0".join(c.fqn for c in cands).encode())
-    state_digest = _digest(repr([(s, c.fqn) for s, c in zip(states, cands)]).encode())
+    state_digest = _digest(repr(states).encode())
     any_sparse = int(any(s[0] == _SPARSE for s in states))
     local = torch.tensor([len(cands), fqn_digest, state_digest, any_sparse], dtype=torch.int64)
     reduced = torch.cat([local, -local]).to(ctx.device)
@@ -376,21 +386,16 @@ def synchronize_tp_replica_gradients(
     cands = _candidates(parts, ctx)
     _agree(ctx, cands)
     replicated = ctx.replicated()
-    chosen = [c for c in cands if c.param.grad is not None and replicated(c.param.grad)]
-    grads = [_local(c.param.grad).detach() for c in chosen]  # type: ignore[arg-type]
-    size = float(len(ctx.ranks))
-
-    def finish(i: int, segment: torch.Tensor) -> torch.Tensor:
-        return segment.div_(size) if chosen[i].reduction == "mean" else segment
-
+    chosen = [c for c in cands if c.tensor.grad is not None and replicated(c.tensor.grad)]
+    grads = [_local(c.tensor.grad) for c in chosen]  # type: ignore[arg-type]
     with torch.no_grad():
         _run_chunked(
-            ctx,
             grads,
             gradient_reduce_dtype,
             max_bytes,
             lambda buf: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group),
-            finish,
+            divide=[c.reduction == "mean" for c in chosen],
+            divisor=float(len(ctx.ranks)),
         )
     return len(chosen)
 

@@ -6,7 +6,7 @@ Everything here is pure: it reads ``nn.Module`` structure and never mutates it.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
-from typing import Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 from torch import nn
@@ -259,20 +259,35 @@ def get_module_from_path(root: nn.Module, path: str) -> nn.Module:
     return module
 
 
+Entry = TypeVar("Entry", bound=tuple[Any, ...])
+
+
+def rank_stable_unique(entries: list[Entry]) -> list[Entry]:
+    """Sort ``(part index, fqn, tensor, ...)`` entries by (part index, FQN as a
+    plain string) and keep each distinct tensor once, under its smallest FQN.
+
+    The one definition of "rank-stable order" in fsdptx: whatever the
+    registration order or object identities on a rank, the same logical model
+    gives the same sequence, so collectives issued in it match across ranks.
+    """
+    entries.sort(key=lambda e: (e[0], e[1]))
+    seen: set[int] = set()
+    out: list[Entry] = []
+    for e in entries:
+        if id(e[2]) not in seen:
+            seen.add(id(e[2]))
+            out.append(e)
+    return out
+
+
 def _iter_unique_named(
     model_parts: Sequence[nn.Module] | nn.Module,
     named: Callable[[nn.Module], Iterable[tuple[str, torch.Tensor]]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
-    entries: list[tuple[int, str, torch.Tensor]] = []
-    for index, part in enumerate(parts):
-        entries.extend((index, fqn, t) for fqn, t in named(part))
-    entries.sort(key=lambda e: (e[0], e[1]))
-    seen: set[int] = set()
-    for _, fqn, tensor in entries:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            yield fqn, tensor
+    entries = [(index, fqn, t) for index, part in enumerate(parts) for fqn, t in named(part)]
+    for _, fqn, tensor in rank_stable_unique(entries):
+        yield fqn, tensor
 
 
 def iter_unique_named_parameters(
