@@ -52,31 +52,32 @@ class ModelIndex:
     """FQN <-> object tables for one model, built in one walk.
 
     Parameter FQNs are canonical: the first name in registration order, as
-    ``named_parameters()`` reports it. ``names`` keeps every name of a tied
-    parameter, because a pinned-fp32 token may appear in any of them.
+    ``named_parameters()`` reports it. ``aliases`` keeps the other names of a
+    tied parameter, because a pinned-fp32 token may appear in any of them.
     """
 
     root: nn.Module
     modules: dict[str, nn.Module] = field(default_factory=dict)
     fqn_of_module: dict[int, str] = field(default_factory=dict)
     param_fqn: dict[int, str] = field(default_factory=dict)
-    params: dict[str, nn.Parameter] = field(default_factory=dict)
-    names: dict[int, list[str]] = field(default_factory=dict)
+    param_objects: list[nn.Parameter] = field(default_factory=list)
+    aliases: dict[int, list[str]] = field(default_factory=dict)
     sharded: set[int] = field(default_factory=set)
-    tied: bool = False  # some parameter has two names
+    shared_modules: bool = False  # some module is registered under two parents
 
     @classmethod
     def build(cls, root: nn.Module) -> ModelIndex:
         index = cls(root)
-        modules, fqn_of_module, param_fqn, params, names = (
-            index.modules, index.fqn_of_module, index.param_fqn, index.params, index.names
+        modules, fqn_of_module, param_fqn, objects = (
+            index.modules, index.fqn_of_module, index.param_fqn, index.param_objects
         )
         stack: list[tuple[str, nn.Module]] = [("", root)]
         while stack:
             fqn, module = stack.pop()
             mid = id(module)
             if mid in fqn_of_module:
-                continue  # registered under two parents: first path wins, as named_modules
+                index.shared_modules = True  # first path wins, as named_modules
+                continue
             modules[fqn] = module
             fqn_of_module[mid] = fqn
             if isinstance(module, FSDPModule):
@@ -85,19 +86,29 @@ class ModelIndex:
             for name, p in module._parameters.items():
                 if p is None:
                     continue
-                pfqn = prefix + name
-                pid = id(p)
-                if pid in param_fqn:
-                    names[pid].append(pfqn)
-                    index.tied = True
+                if id(p) in param_fqn:
+                    index.aliases.setdefault(id(p), []).append(prefix + name)
                 else:
-                    names[pid] = [pfqn]
-                    param_fqn[pid] = pfqn
-                    params[pfqn] = p
+                    param_fqn[id(p)] = prefix + name
+                    objects.append(p)
             children = module._modules
             if children:
                 stack.extend((prefix + n, c) for n, c in reversed(children.items()) if c is not None)
         return index
+
+    @property
+    def tied(self) -> bool:
+        """Whether some parameter has two names."""
+        return bool(self.aliases)
+
+    @functools.cached_property
+    def params(self) -> dict[str, nn.Parameter]:
+        """Canonical FQN -> parameter (built on first use: most plans never need it)."""
+        return {self.param_fqn[id(p)]: p for p in self.param_objects}
+
+    def names(self, p: nn.Parameter) -> list[str]:
+        """Every FQN of ``p``, canonical first."""
+        return [self.param_fqn[id(p)], *self.aliases.get(id(p), ())]
 
     @functools.cached_property
     def blocks(self) -> tuple[str, ...]:
@@ -121,25 +132,25 @@ def claim(
     """The parameters ``fully_shard(roots)`` would manage, before ignoring any:
     direct parameters of every module reachable from ``roots`` without entering
     a module already sharded (``stop``). Each tied parameter once."""
-    root_ids = {id(r) for r in roots}
     param_fqn = index.param_fqn
-    seen_modules: set[int] = set()
-    seen_params: set[int] = set()
     out: list[tuple[str, nn.Parameter]] = []
-    stack = list(reversed(roots))
-    while stack:
-        m = stack.pop()
-        mid = id(m)
-        if mid in seen_modules or (mid in stop and mid not in root_ids):
-            continue
-        seen_modules.add(mid)
-        for p in m._parameters.values():
-            if p is not None and id(p) not in seen_params:
-                seen_params.add(id(p))
-                out.append((param_fqn[id(p)], p))
-        children = m._modules
-        if children:
-            stack.extend(c for c in reversed(children.values()) if c is not None)
+    for r in roots:  # a root may itself be in ``stop``: enter it anyway
+        out.extend((param_fqn[id(p)], p) for p in r._parameters.values() if p is not None)
+        stack = [c for c in reversed(r._modules.values()) if c is not None]
+        while stack:
+            m = stack.pop()
+            if id(m) in stop:
+                continue
+            params = m._parameters
+            if params:
+                out.extend((param_fqn[id(p)], p) for p in params.values() if p is not None)
+            children = m._modules
+            if children:
+                stack.extend(c for c in reversed(children.values()) if c is not None)
+    if index.shared_modules or index.aliases or len(roots) > 1:
+        # A module or parameter reachable twice is claimed once, as FSDP does.
+        seen: set[int] = set()
+        out = [(f, p) for f, p in out if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
     return out
 
 
@@ -170,36 +181,48 @@ class _Resolver:
         if claimed is None:
             claimed = claim(self.index, modules, self.sharded)
         here = [self.index.fqn_of_module[id(m)] for m in modules]
-        for f, p in claimed:
-            earlier = self.owner.get(id(p))
-            if earlier is not None:
-                raise PlanningError(
-                    f"parameter {f!r} is shared (also named {self.index.names[id(p)]}) and would "
-                    f"belong to two FSDP units: {list(self.units[earlier].modules)[:3]} and {here[:3]}. "
-                    "FSDP2 needs a shared parameter inside one unit: shard a common ancestor as "
-                    "one unit (e.g. leave it to the root), or untie the parameter"
-                )
-        owned = [(f, p) for f, p in claimed if id(p) not in self.excluded]
-        ignored = tuple(f for f, p in claimed if id(p) in self.excluded)
-        storage = {keys[id(p)][0] for _, p in owned}
-        compute = {keys[id(p)][1] for _, p in owned}
+        excluded, owner, position = self.excluded, self.owner, len(self.units)
+        params: list[str] = []
+        ignored: list[str] = []
+        unit_keys: set[DtypeKey] = set()
+        numel = nbytes = 0
+        for f, p in claimed:  # one pass: this runs for every unit of the plan
+            pid = id(p)
+            if pid in excluded:
+                earlier = owner.get(pid)
+                if earlier is not None:
+                    raise PlanningError(
+                        f"parameter {f!r} is shared (also named {self.index.names(p)[1:]}) and would "
+                        f"belong to two FSDP units: {list(self.units[earlier].modules)[:3]} and {here[:3]}. "
+                        "FSDP2 needs a shared parameter inside one unit: shard a common ancestor as "
+                        "one unit (e.g. leave it to the root), or untie the parameter"
+                    )
+                ignored.append(f)
+                continue
+            params.append(f)
+            unit_keys.add(keys[pid])
+            n = p.numel()
+            numel += n
+            nbytes += n * p.element_size()
+            excluded.add(pid)
+            owner[pid] = position
+        storage = {k[0] for k in unit_keys}
+        compute = {k[1] for k in unit_keys}
         unit = Unit(
             modules=tuple(here),
-            params=tuple(f for f, _ in owned),
-            ignored_params=ignored,
+            params=tuple(params),
+            ignored_params=tuple(ignored),
             kind=kind,
             storage_dtype=storage.pop() if len(storage) == 1 else None,
             compute_dtype=compute.pop() if len(compute) == 1 else None,
             mp_policy=policy,
             offload_policy=self.offload_policy,
             reshard_after_forward=reshard,
-            numel=sum(p.numel() for _, p in owned),
-            nbytes=sum(p.numel() * p.element_size() for _, p in owned),
+            numel=numel,
+            nbytes=nbytes,
         )
         self.units.append(unit)
         self.sharded.update(id(m) for m in modules)
-        self.excluded.update(id(p) for _, p in owned)
-        self.owner.update((id(p), len(self.units) - 1) for _, p in owned)
         return unit
 
     def policy(self, compute: torch.dtype | None, internal: bool) -> MixedPrecisionPolicy | None:
@@ -216,11 +239,30 @@ class _Resolver:
 def param_keys(
     index: ModelIndex, mp_policy: MixedPrecisionPolicy | None, fp32_tokens: Collection[str]
 ) -> dict[int, DtypeKey]:
-    """(storage, compute) dtype of every parameter, resolved once."""
-    return {
-        pid: (p.dtype, compute_dtype(p, index.names[pid], mp_policy, fp32_tokens))
-        for pid, p in ((id(p), p) for p in index.params.values())
-    }
+    """(storage, compute) dtype of every parameter, resolved once.
+
+    Only a pinned name or a ``_hf_compute_dtype`` hint makes two parameters of
+    one storage dtype resolve differently, so the unhinted, unpinned majority
+    shares one cached resolution per storage dtype.
+    """
+    tokens = tuple(fp32_tokens)
+    plain: dict[torch.dtype, DtypeKey] = {}
+    keys: dict[int, DtypeKey] = {}
+    aliases, param_fqn = index.aliases, index.param_fqn
+    for p in index.param_objects:
+        pid = id(p)
+        names = [param_fqn[pid], *aliases[pid]] if pid in aliases else [param_fqn[pid]]
+        special = getattr(p, "_hf_compute_dtype", None) is not None or (
+            tokens and any(t in n for n in names for t in tokens)
+        )
+        if special:
+            keys[pid] = (p.dtype, compute_dtype(p, names, mp_policy, tokens))
+            continue
+        key = plain.get(p.dtype)
+        if key is None:
+            key = plain[p.dtype] = (p.dtype, compute_dtype(p, (), mp_policy, ()))
+        keys[pid] = key
+    return keys
 
 
 def _shardable(fqn: str, module: nn.Module, stop: Collection[int] = ()) -> Iterator[tuple[str, nn.Module]]:
@@ -255,7 +297,7 @@ def _plan_target(
     if id(target) in r.sharded:
         return
     kind: UnitKind = "root" if is_root else "block"
-    claimed = claim(index, [target], r.sharded)
+    order, parent, claimed = _survey(index, target, r.sharded)
     excluded = r.excluded
     counts: dict[DtypeKey, int] = {}
     for _f, p in claimed:
@@ -269,14 +311,7 @@ def _plan_target(
             r.add([target], kind, r.policy(groups[0][1] if groups else None, False), reshard, keys, claimed)
         return
 
-    def key_of(_f: str, m: nn.Module) -> list[Hashable]:
-        return [keys[id(p)] for p in m._parameters.values() if p is not None and id(p) not in excluded]
-
-    subtrees = [
-        (f, m, k)
-        for f, m, k in maximal_uniform_subtrees(target, key_of, fqn, stop=r.sharded)
-        if m is not target
-    ]
+    subtrees = _maximal_uniform_children(r, target, fqn, keys, order, parent)
     majority: DtypeKey | None = None
     if len(groups) == 2:
         # Fewest parameters is the minority; on a tie, the group met later.
@@ -287,8 +322,9 @@ def _plan_target(
     for f, m, k in subtrees:
         policy = r.policy(k[1], True)  # type: ignore[index]
         for _cf, child in _shardable(f, m, r.sharded):
-            unit = r.add([child], "dtype", policy, reshard, keys)
-            reached_by_children.update(id(index.params[q]) for q in (*unit.params, *unit.ignored_params))
+            child_claimed = claim(index, [child], r.sharded)
+            reached_by_children.update(id(p) for _q, p in child_claimed)
+            r.add([child], "dtype", policy, reshard, keys, child_claimed)
     if index.tied:  # a tied parameter may be reachable both inside and outside a child
         rest = claim(index, [target], r.sharded)
     else:  # otherwise the target now reaches exactly what its children no longer leave it
@@ -300,6 +336,90 @@ def _plan_target(
         r.add([target], kind, r.policy(majority[1], False), reshard, keys, rest)
     elif is_root or has_ignored:
         r.add([target], kind, r.policy(None, False), reshard, keys, rest)
+
+
+def _survey(
+    index: ModelIndex, target: nn.Module, stop: set[int]
+) -> tuple[list[nn.Module], list[int], list[tuple[str, nn.Parameter]]]:
+    """One walk of what ``fully_shard(target)`` would reach: the modules in
+    pre-order with each one's parent position, and the claimed parameters
+    (as :func:`claim`). The planner derives everything else from these lists
+    instead of walking the subtree again."""
+    param_fqn = index.param_fqn
+    order: list[nn.Module] = []
+    parent: list[int] = []
+    claimed: list[tuple[str, nn.Parameter]] = []
+    stack: list[tuple[nn.Module, int]] = [(target, -1)]
+    while stack:
+        m, up = stack.pop()
+        if m is not target and id(m) in stop:
+            continue
+        here = len(order)
+        order.append(m)
+        parent.append(up)
+        for p in m._parameters.values():
+            if p is not None:
+                claimed.append((param_fqn[id(p)], p))
+        children = m._modules
+        if children:
+            stack.extend([(c, here) for c in reversed(children.values()) if c is not None])
+    if index.shared_modules or index.aliases:
+        seen: set[int] = set()
+        claimed = [(f, p) for f, p in claimed if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
+    return order, parent, claimed
+
+
+_MIXED_KEY = object()
+
+
+def _maximal_uniform_children(
+    r: _Resolver,
+    target: nn.Module,
+    fqn: str,
+    keys: dict[int, DtypeKey],
+    order: list[nn.Module],
+    parent: list[int],
+) -> list[tuple[str, nn.Module, Hashable]]:
+    """The maximal (storage, compute)-uniform proper subtrees of ``target``.
+
+    On a tree (no module registered twice) the surveyed pre-order list is
+    enough: children come after parents, so one backwards pass folds each
+    module's key set into its parent's, and a uniform module is maximal
+    exactly when its parent is mixed. A model with shared modules takes the
+    general walk of :func:`maximal_uniform_subtrees`.
+    """
+    excluded = r.excluded
+    if r.index.shared_modules:
+
+        def key_of(m: nn.Module) -> list[Hashable]:
+            return [keys[id(p)] for p in m._parameters.values() if p is not None and id(p) not in excluded]
+
+        found = maximal_uniform_subtrees(target, key_of, fqn, stop=r.sharded)
+        return [(f, m, k) for f, m, k in found if m is not target]
+    state: list[object] = [None] * len(order)  # None: no parameter seen yet
+    for i, m in enumerate(order):
+        for p in m._parameters.values():
+            if p is not None and id(p) not in excluded:
+                k = keys[id(p)]
+                if state[i] is None:
+                    state[i] = k
+                elif state[i] != k:
+                    state[i] = _MIXED_KEY
+                    break
+    for i in range(len(order) - 1, 0, -1):
+        k, up = state[i], parent[i]
+        if k is None or state[up] is _MIXED_KEY:
+            continue
+        if state[up] is None:
+            state[up] = k
+        elif state[up] != k:
+            state[up] = _MIXED_KEY
+    fqn_of = r.index.fqn_of_module
+    return [
+        (fqn_of[id(order[i])], order[i], state[i])  # type: ignore[misc]
+        for i in range(1, len(order))
+        if state[i] is not None and state[i] is not _MIXED_KEY and state[parent[i]] is _MIXED_KEY
+    ]
 
 
 def _isolation_message(stray: list[tuple[str, DtypeKey]], target: str) -> str:
@@ -342,7 +462,6 @@ def plan_cross_block_units(
     checkpoint recompute.
     """
     index = r.index
-    keys = {pid: (p.dtype, p.dtype) for pid, p in ((id(p), p) for p in index.params.values())}
     policy = r.policy(torch.float32, True)
     block_modules = [(b, unwrap_checkpoint(index.module(b, "shard_across_blocks block"))) for b in blocks]
     for name in names:
@@ -358,11 +477,8 @@ def plan_cross_block_units(
                 f"(searched {len(blocks)} blocks: {_preview(blocks)}); fix the name in "
                 "_fsdp_shard_across_blocks or module_names="
             )
-        bad = [
-            (f, p.dtype)
-            for f, p in claim(index, found, r.sharded)
-            if p.dtype != torch.float32 and id(p) not in r.excluded
-        ]
+        claimed = claim(index, found, r.sharded)
+        bad = [(f, p.dtype) for f, p in claimed if p.dtype != torch.float32 and id(p) not in r.excluded]
         if bad:
             raise PlanningError(
                 f"shard_across_blocks: {name!r} must hold only fp32 parameters (its unit computes "
@@ -370,7 +486,8 @@ def plan_cross_block_units(
                 + ", ".join(f"{f} is {str(d).removeprefix('torch.')}" for f, d in bad)
                 + "; store them in fp32 or drop the name from the cross-block list"
             )
-        unit = r.add(found, "cross-block", policy, False, keys)
+        keys = {id(p): (p.dtype, p.dtype) for _f, p in claimed}  # all fp32, computing in fp32
+        unit = r.add(found, "cross-block", policy, False, keys, claimed)
         if not unit.params:
             raise PlanningError(
                 f"shard_across_blocks: {name!r} matched {len(found)} modules but they hold no "

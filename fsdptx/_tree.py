@@ -65,8 +65,7 @@ def _direct_tensors(module: nn.Module, include_buffers: bool) -> Iterator[torch.
 
 def subtree_keys(
     root: nn.Module,
-    key_of: Callable[[str, nn.Module], Iterable[Hashable]],
-    prefix: str = "",
+    key_of: Callable[[nn.Module], Iterable[Hashable]],
     stop: Collection[int] = (),
 ) -> tuple[dict[int, object], bool]:
     """Summarise every module's subtree as one key, ``_EMPTY`` or ``_MIXED``;
@@ -74,43 +73,47 @@ def subtree_keys(
 
     An iterative post-order walk combines each module once from its direct
     keys and its children's summaries: linear in modules plus tensors. A module
-    registered under two parents is summarised once (first path, as
-    ``named_modules``) and its summary reused by the second parent. Modules
-    whose id is in ``stop`` (other than ``root``) count as empty and are not
-    entered: the planner passes the modules already planned as units.
+    registered under two parents is summarised once and its summary reused by
+    the second parent. Modules whose id is in ``stop`` (other than ``root``)
+    count as empty and are not entered: the planner passes the modules already
+    planned as units. No FQN is built here; only the (short) descent in
+    :func:`maximal_uniform_subtrees` needs names.
     """
     state: dict[int, object] = {}
     shared = False
-    stack: list[tuple[str, nn.Module, bool]] = [(prefix, root, False)]
+    stack: list[tuple[nn.Module, bool]] = [(root, False)]
     while stack:
-        fqn, module, expanded = stack.pop()
-        if id(module) in state:
+        module, expanded = stack.pop()
+        mid = id(module)
+        if mid in state:
             shared = True
             continue
-        if module is not root and id(module) in stop:
-            state[id(module)] = _EMPTY
+        if module is not root and mid in stop:
+            state[mid] = _EMPTY
             continue
+        children = module._modules
         if not expanded:
-            stack.append((fqn, module, True))
-            for name, child in reversed(module._modules.items()):
+            stack.append((module, True))
+            for child in children.values():
                 if child is None:
                     continue
                 if id(child) in state:
                     shared = True
                 else:
-                    stack.append((join_fqn(fqn, name), child, False))
+                    stack.append((child, False))
             continue
         acc: object = _EMPTY
-        for key in key_of(fqn, module):
+        for key in key_of(module):
             acc = _merge(acc, key)
             if acc is _MIXED:
                 break
-        for child in module._modules.values():
-            if acc is _MIXED:
-                break
-            if child is not None:
-                acc = _merge(acc, state[id(child)])
-        state[id(module)] = acc
+        if acc is not _MIXED:
+            for child in children.values():
+                if child is not None:
+                    acc = _merge(acc, state[id(child)])
+                    if acc is _MIXED:
+                        break
+        state[mid] = acc
     return state, shared
 
 
@@ -124,14 +127,14 @@ def _merge(acc: object, key: object) -> object:
 
 def maximal_uniform_subtrees(
     root: nn.Module,
-    key_of: Callable[[str, nn.Module], Iterable[Hashable]],
+    key_of: Callable[[nn.Module], Iterable[Hashable]],
     prefix: str = "",
     stop: Collection[int] = (),
 ) -> Iterator[tuple[str, nn.Module, Hashable]]:
     """Yield maximal ``(fqn, module, key)`` whose subtree carries exactly one key.
 
     The generic engine behind :func:`iter_maximal_uniform_dtype_subtrees` and
-    the dtype planner: ``key_of(fqn, module)`` gives the keys of a module's own
+    the dtype planner: ``key_of(module)`` gives the keys of a module's own
     tensors, so callers choose what counts (storage dtype, the
     (storage, compute) pair, parameters owned elsewhere left out).
 
@@ -140,7 +143,7 @@ def maximal_uniform_subtrees(
     lies inside the uniform one; such candidates are dropped, so no yielded
     module is a strict descendant of another.
     """
-    state, shared = subtree_keys(root, key_of, prefix, stop)
+    state, shared = subtree_keys(root, key_of, stop)
     candidates: list[tuple[str, nn.Module, Hashable]] = []
     stack: list[tuple[str, nn.Module]] = [(prefix, root)]
     seen: set[int] = set()
@@ -225,7 +228,7 @@ def iter_maximal_uniform_dtype_subtrees(
     """
     dtype_fn: Callable[[torch.Tensor], torch.dtype] = dtype_of or (lambda t: t.dtype)
 
-    def key_of(_fqn: str, m: nn.Module) -> Iterator[Hashable]:
+    def key_of(m: nn.Module) -> Iterator[Hashable]:
         for t in _direct_tensors(m, include_buffers):
             if tensor_pred is None or tensor_pred(t):
                 yield dtype_fn(t)
