@@ -35,22 +35,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 import fsdptx
-from fsdptx.testing import record_collectives
+from fsdptx.testing import record_collectives, run_distributed
 
 WORLD_SIZE = 2
 NORM_DIM = 4096
@@ -230,138 +227,120 @@ def fmt_bytes(n: float) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
-def worker(rank: int, port: int, runs: int, blocks: int, warmup: int) -> None:
-    """One rank: build the model, time the three methods, measure memory;
-    rank 0 prints."""
-    torch.set_num_threads(1)  # 2 ranks on 2 cores: one thread each, no oversubscription
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-    try:
-        mesh: DeviceMesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
-        group = mesh.get_group("tp")
-        device = torch.device("cpu")
+def worker(rank: int, world_size: int, runs: int, blocks: int, warmup: int) -> None:
+    """One rank (the gloo group is set up by ``run_distributed``, one thread
+    per rank): build the model, time the three methods, measure memory; rank 0
+    prints."""
+    mesh: DeviceMesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
+    group = mesh.get_group("tp")
+    device = torch.device("cpu")
 
-        model = ReplicatedSet(blocks)
-        saved = set_distinct_grads(model, rank)
-        numel = total_numel(model)
-        packed = torch.randn(numel)  # the limit: already packed, already fp32
+    model = ReplicatedSet(blocks)
+    saved = set_distinct_grads(model, rank)
+    numel = total_numel(model)
+    packed = torch.randn(numel)  # the limit: already packed, already fp32
 
-        def restore() -> None:
-            restore_grads(model, saved)
+    def restore() -> None:
+        restore_grads(model, saved)
 
-        def sync() -> int:
-            return fsdptx.synchronize_tp_replica_gradients([model], mesh)
+    def sync() -> int:
+        return fsdptx.synchronize_tp_replica_gradients([model], mesh)
 
-        def baseline() -> None:
-            per_parameter_all_reduce(model, group, WORLD_SIZE)
+    def baseline() -> None:
+        per_parameter_all_reduce(model, group, WORLD_SIZE)
 
-        def limit() -> None:
-            dist.all_reduce(packed, group=group)
+    def limit() -> None:
+        dist.all_reduce(packed, group=group)
 
-        # For the breakdown only: fsdptx first agrees on what to reduce with
-        # one all-reduce of 8 int64 (see _agree), so its own floor is the
-        # limit plus this latency.
-        meta = torch.zeros(8, dtype=torch.int64)
+    # For the breakdown only: fsdptx first agrees on what to reduce with
+    # one all-reduce of 8 int64 (see _agree), so its own floor is the
+    # limit plus this latency.
+    meta = torch.zeros(8, dtype=torch.int64)
 
-        def metadata() -> None:
-            dist.all_reduce(meta, op=dist.ReduceOp.MAX, group=group)
+    def metadata() -> None:
+        dist.all_reduce(meta, op=dist.ReduceOp.MAX, group=group)
 
-        # Sanity, untimed: both methods compute the same thing.
-        restore()
-        synced = sync()
-        ours = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-        restore()
-        baseline()
-        same = all(torch.equal(a, p.grad) for a, p in zip(ours, model.parameters()))
+    # Sanity, untimed: both methods compute the same thing.
+    restore()
+    synced = sync()
+    ours = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    restore()
+    baseline()
+    same = all(torch.equal(a, p.grad) for a, p in zip(ours, model.parameters()))
 
-        restore()
-        n_sync = count_collectives(sync)
-        restore()
-        n_base = count_collectives(baseline)
-        n_limit = count_collectives(limit)
+    restore()
+    n_sync = count_collectives(sync)
+    restore()
+    n_base = count_collectives(baseline)
+    n_limit = count_collectives(limit)
 
-        t_sync = time_runs(sync, restore, runs, warmup, device)
-        t_base = time_runs(baseline, restore, runs, warmup, device)
-        t_limit = time_runs(limit, lambda: None, runs, warmup, device)
-        t_meta = time_runs(metadata, lambda: None, runs, warmup, device)
+    t_sync = time_runs(sync, restore, runs, warmup, device)
+    t_base = time_runs(baseline, restore, runs, warmup, device)
+    t_limit = time_runs(limit, lambda: None, runs, warmup, device)
+    t_meta = time_runs(metadata, lambda: None, runs, warmup, device)
 
-        # Memory: the same set plus one 1M-element fp32 tensor (4 MiB), with a
-        # 1 MiB budget; and, for contrast, the default 256 MiB budget, where
-        # everything travels in one buffer.
-        mem_model = ReplicatedSet(blocks, big=True)
-        mem_saved = set_distinct_grads(mem_model, rank)
-        mem_total = total_numel(mem_model) * 4
-        peaks: dict[str, int] = {}
-        for label, budget in (("budget", MEMORY_BUDGET), ("default", fsdptx.DEFAULT_MAX_BUFFER_BYTES)):
-            restore_grads(mem_model, mem_saved)
-            dist.barrier()
-            peak = peak_extra_cpu_bytes(
-                lambda b=budget: fsdptx.synchronize_tp_replica_gradients([mem_model], mesh, max_bytes=b)
-            )
-            worst = torch.tensor([peak], dtype=torch.int64)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            peaks[label] = int(worst.item())
+    # Memory: the same set plus one 1M-element fp32 tensor (4 MiB), with a
+    # 1 MiB budget; and, for contrast, the default 256 MiB budget, where
+    # everything travels in one buffer.
+    mem_model = ReplicatedSet(blocks, big=True)
+    mem_saved = set_distinct_grads(mem_model, rank)
+    mem_total = total_numel(mem_model) * 4
+    peaks: dict[str, int] = {}
+    for label, budget in (("budget", MEMORY_BUDGET), ("default", fsdptx.DEFAULT_MAX_BUFFER_BYTES)):
+        restore_grads(mem_model, mem_saved)
+        dist.barrier()
+        peak = peak_extra_cpu_bytes(
+            lambda b=budget: fsdptx.synchronize_tp_replica_gradients([mem_model], mesh, max_bytes=b)
+        )
+        worst = torch.tensor([peak], dtype=torch.int64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        peaks[label] = int(worst.item())
 
-        if rank == 0:
-            n_params = sum(1 for _ in model.parameters())
-            print(
-                f"TP-replica gradient sync, gloo, {WORLD_SIZE} ranks (1 TP group), torch {torch.__version__}\n"
-                f"model: {blocks} blocks x 2 norms ({NORM_DIM}, fp32 + bf16) + final norm + "
-                f"{ROUTERS} sum-marked routers {ROUTER_SHAPE}: {n_params} grads, {numel:,} elements "
-                f"({fmt_bytes(numel * 4)} as fp32); {synced} synchronized; "
-                f"results equal to baseline: {same}\n"
-                f"median of {runs} runs after {warmup} warm-up (slowest rank per run); "
-                f"host load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
-            )
-            print("| method | median (ms) | collectives | speedup vs per-param | ratio to limit |")
-            print("|---|---:|---:|---:|---:|")
-            print(
-                f"| fsdptx.synchronize_tp_replica_gradients | {t_sync:.3f} | {n_sync} | "
-                f"{t_base / t_sync:.1f}x (target >= {TARGET_SPEEDUP:.0f}x) | "
-                f"{t_sync / t_limit:.2f}x (target <= {TARGET_LIMIT_RATIO}x) |"
-            )
-            print(f"| per-parameter all_reduce | {t_base:.3f} | {n_base} | 1.0x | {t_base / t_limit:.2f}x |")
-            print(f"| limit: one pre-packed fp32 all_reduce | {t_limit:.3f} | {n_limit} | "
-                  f"{t_base / t_limit:.1f}x | 1.00x |")
-            print(
-                f"\nbreakdown of the sync: limit {t_limit:.3f} ms + metadata all_reduce (8 int64) "
-                f"{t_meta:.3f} ms = {t_limit + t_meta:.3f} ms of collectives; the remaining "
-                f"{max(0.0, t_sync - t_limit - t_meta):.3f} ms is local work (walk, pack, unpack) and rank skew"
-            )
-            print(
-                f"\nPeak extra CPU memory of synchronize_tp_replica_gradients (torch allocator, "
-                f"profiler memory events; gloo's internal buffers not included), same set plus one "
-                f"{BIG_NUMEL:,}-element fp32 tensor ({fmt_bytes(mem_total)} of grads as fp32):\n"
-            )
-            print("| max_bytes | peak extra memory | target |")
-            print("|---:|---:|---|")
-            print(
-                f"| {fmt_bytes(MEMORY_BUDGET)} | {fmt_bytes(peaks['budget'])} ({peaks['budget']:,} B) | "
-                f"<= {fmt_bytes(MEMORY_BUDGET)} ({MEMORY_BUDGET:,} B) |"
-            )
-            print(
-                f"| {fmt_bytes(fsdptx.DEFAULT_MAX_BUFFER_BYTES)} (default) | {fmt_bytes(peaks['default'])} "
-                f"({peaks['default']:,} B) | (contrast: one buffer for everything) |"
-            )
-            sys.stdout.flush()
-        dist.barrier()  # rank 0 hosts the store: nobody leaves while others still need it
-    finally:
-        dist.destroy_process_group()
+    if rank == 0:
+        n_params = sum(1 for _ in model.parameters())
+        print(
+            f"TP-replica gradient sync, gloo, {WORLD_SIZE} ranks (1 TP group), torch {torch.__version__}\n"
+            f"model: {blocks} blocks x 2 norms ({NORM_DIM}, fp32 + bf16) + final norm + "
+            f"{ROUTERS} sum-marked routers {ROUTER_SHAPE}: {n_params} grads, {numel:,} elements "
+            f"({fmt_bytes(numel * 4)} as fp32); {synced} synchronized; "
+            f"results equal to baseline: {same}\n"
+            f"median of {runs} runs after {warmup} warm-up (slowest rank per run); "
+            f"host load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
+        )
+        print("| method | median (ms) | collectives | speedup vs per-param | ratio to limit |")
+        print("|---|---:|---:|---:|---:|")
+        print(
+            f"| fsdptx.synchronize_tp_replica_gradients | {t_sync:.3f} | {n_sync} | "
+            f"{t_base / t_sync:.1f}x (target >= {TARGET_SPEEDUP:.0f}x) | "
+            f"{t_sync / t_limit:.2f}x (target <= {TARGET_LIMIT_RATIO}x) |"
+        )
+        print(f"| per-parameter all_reduce | {t_base:.3f} | {n_base} | 1.0x | {t_base / t_limit:.2f}x |")
+        print(f"| limit: one pre-packed fp32 all_reduce | {t_limit:.3f} | {n_limit} | "
+              f"{t_base / t_limit:.1f}x | 1.00x |")
+        print(
+            f"\nbreakdown of the sync: limit {t_limit:.3f} ms + metadata all_reduce (8 int64) "
+            f"{t_meta:.3f} ms = {t_limit + t_meta:.3f} ms of collectives; the remaining "
+            f"{max(0.0, t_sync - t_limit - t_meta):.3f} ms is local work (walk, pack, unpack) and rank skew"
+        )
+        print(
+            f"\nPeak extra CPU memory of synchronize_tp_replica_gradients (torch allocator, "
+            f"profiler memory events; gloo's internal buffers not included), same set plus one "
+            f"{BIG_NUMEL:,}-element fp32 tensor ({fmt_bytes(mem_total)} of grads as fp32):\n"
+        )
+        print("| max_bytes | peak extra memory | target |")
+        print("|---:|---:|---|")
+        print(
+            f"| {fmt_bytes(MEMORY_BUDGET)} | {fmt_bytes(peaks['budget'])} ({peaks['budget']:,} B) | "
+            f"<= {fmt_bytes(MEMORY_BUDGET)} ({MEMORY_BUDGET:,} B) |"
+        )
+        print(
+            f"| {fmt_bytes(fsdptx.DEFAULT_MAX_BUFFER_BYTES)} (default) | {fmt_bytes(peaks['default'])} "
+            f"({peaks['default']:,} B) | (contrast: one buffer for everything) |"
+        )
+        sys.stdout.flush()
 
 
 # --------------------------------------------------------------------------- parent
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the OS picks it; closed again for the store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,31 +352,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or args.blocks < 1 or args.warmup < 0:
         parser.error("--runs and --blocks must be >= 1, --warmup >= 0")
 
-    # Read by the children's torch import (spawn copies os.environ at start):
-    # one OpenMP thread per rank, and gloo on loopback, which always resolves.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(target=worker, args=(rank, port, args.runs, args.blocks, args.warmup), daemon=True)
-        for rank in range(WORLD_SIZE)
-    ]
     start = time.monotonic()
-    for p in procs:
-        p.start()
-    deadline = start + JOIN_TIMEOUT_S
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
-    if failed:
-        print(f"benchmark failed: rank exit codes {failed} (None = killed after {JOIN_TIMEOUT_S:.0f} s)",
-              file=sys.stderr)
-        return 1
+    run_distributed(
+        worker,
+        WORLD_SIZE,
+        args.runs,
+        args.blocks,
+        args.warmup,
+        timeout_s=JOIN_TIMEOUT_S,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+    )
     print(f"\nwall time: {time.monotonic() - start:.1f} s")
     return 0
 

@@ -25,8 +25,19 @@ from ._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduc
 from ._plan import Plan, Reduction, Unit
 from ._planner import PlanningError
 from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
-from ._tp_replicas import broadcast_tp_replicas, is_tp_replicated, synchronize_tp_replica_gradients
-from ._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
+from ._tp_replicas import (
+    broadcast_tp_replicas,
+    is_tp_replicated,
+    synchronize_tp_replica_gradients,
+)
+from ._transforms import (
+    Transform,
+    compose,
+    mark_reduction,
+    plan,
+    shard_across_blocks,
+    shard_by_dtype,
+)
 from ._tree import (
     get_module_from_path,
     iter_maximal_uniform_dtype_subtrees,

@@ -25,7 +25,13 @@ from torch.distributed.tensor import DTensor
 from ._apply import apply_plan
 from ._plan import Plan, format_plan, summarize_modules
 from ._report import UnitTraffic, step_traffic
-from ._transforms import compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
+from ._transforms import (
+    compose,
+    mark_reduction,
+    plan,
+    shard_across_blocks,
+    shard_by_dtype,
+)
 from .presets import PRESETS, build_preset
 
 DEFAULT_PIPELINE = compose(shard_by_dtype, shard_across_blocks, mark_reduction)

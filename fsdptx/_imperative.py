@@ -7,7 +7,12 @@ from collections.abc import Collection, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from ._apply import ShardModule, apply_plan
 from ._plan import CrossBlockRequest, DtypeRequest, Plan

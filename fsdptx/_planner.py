@@ -8,8 +8,8 @@ is visited a bounded number of times, so planning is linear in model size.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
 import functools
+from collections.abc import Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from ._dtypes import compute_dtype
 from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind
 from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
-from ._tree import get_module_from_path, join_fqn, maximal_uniform_subtrees, walk_modules
+from ._tree import get_module_from_path, join_fqn, maximal_uniform_subtrees
 
 __all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_units"]
 

@@ -7,10 +7,10 @@ them touches the model: they read it and return a new Plan.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Collection, Mapping, Sequence
 import fnmatch
+import functools
 import re
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from torch import nn

@@ -17,7 +17,6 @@ __all__ = [
     "iter_unique_named_buffers",
     "iter_unique_named_parameters",
     "join_fqn",
-    "walk_modules",
 ]
 
 UniformSubtreeItem = tuple[nn.Module, torch.dtype] | tuple[str, nn.Module, torch.dtype]
@@ -30,27 +29,6 @@ _MIXED = object()
 def join_fqn(prefix: str, name: str) -> str:
     """Join a module FQN and a child name; the root's FQN is ``""``."""
     return f"{prefix}.{name}" if prefix else name
-
-
-def walk_modules(root: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """Pre-order ``(fqn, module)`` pairs in registration order, each module once.
-
-    Equivalent to ``named_modules()`` but iterative, so a deep model cannot hit
-    the recursion limit, and returned as a list because every caller walks it
-    more than once (forwards for structure, backwards for subtree summaries).
-    """
-    seen: set[int] = set()
-    out: list[tuple[str, nn.Module]] = []
-    stack: list[tuple[str, nn.Module]] = [(prefix, root)]
-    while stack:
-        fqn, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        out.append((fqn, module))
-        children = [(join_fqn(fqn, n), c) for n, c in module._modules.items() if c is not None]
-        stack.extend(reversed(children))
-    return out
 
 
 def _direct_tensors(module: nn.Module, include_buffers: bool) -> Iterator[torch.Tensor]:

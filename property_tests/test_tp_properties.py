@@ -29,7 +29,13 @@ from fsdptx import (
     synchronize_tp_replica_gradients,
 )
 from fsdptx.testing import Collective, fake_mesh, record_collectives
-from fsdptx.testing.strategies import ModuleSpec, TensorSpec, TreeSpec, build_module, tree_specs
+from fsdptx.testing.strategies import (
+    ModuleSpec,
+    TensorSpec,
+    TreeSpec,
+    build_module,
+    tree_specs,
+)
 
 MESH_SHAPE = (2, 2)
 MESH_NAMES = ("dp", "tp")

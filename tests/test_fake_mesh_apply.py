@@ -14,7 +14,11 @@ from torch.distributed.tensor import DTensor
 
 import fsdptx
 from fsdptx import Plan
-from fsdptx._marks import exclude_from_tp_replica_sync, is_excluded_from_tp_replica_sync, tp_replica_reduction
+from fsdptx._marks import (
+    exclude_from_tp_replica_sync,
+    is_excluded_from_tp_replica_sync,
+    tp_replica_reduction,
+)
 from fsdptx.testing import fake_mesh, record_collectives
 
 PIPELINE = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)

@@ -29,11 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdptx
-
-try:  # pytest's default "prepend" import mode puts tests/ itself on sys.path
-    from multiprocess import run_distributed
-except ImportError:  # tests/ imported as a package (rootdir on sys.path)
-    from tests.multiprocess import run_distributed
+from fsdptx.testing import run_distributed
 
 WORLD_SIZE = 2
 DIM = 16

@@ -31,12 +31,7 @@ from fsdptx import (
     mark_tp_replica_gradient_reduction,
     synchronize_tp_replica_gradients,
 )
-from fsdptx.testing import record_collectives
-
-try:  # pytest's default "prepend" import mode puts tests/ itself on sys.path
-    from multiprocess import run_distributed
-except ImportError:  # tests/ imported as a package (rootdir on sys.path)
-    from tests.multiprocess import run_distributed
+from fsdptx.testing import record_collectives, run_distributed
 
 WORLD = 4
 BF16 = torch.bfloat16

@@ -13,7 +13,9 @@ import pytest
 import torch
 from models import BF16, DIM, FP32, CastLinear, TinyDecoder, make_decoder
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdptx

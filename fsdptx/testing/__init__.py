@@ -1,8 +1,10 @@
-"""Test kit: fake-process-group meshes, a collective recorder, and (in
+"""Test kit: fake-process-group meshes, a collective recorder, a gloo
+multi-process runner for real numerics on CPU, and (in
 ``fsdptx.testing.strategies``, needs Hypothesis) random module trees and mesh
 shapes. Installed with fsdptx, the pytest plugin exposes them as fixtures."""
 
 from ._collectives import Collective, record_collectives
+from ._gloo import DistributedTestError, free_port, run_distributed
 from ._mesh import fake_mesh
 
-__all__ = ["Collective", "fake_mesh", "record_collectives"]
+__all__ = ["Collective", "DistributedTestError", "fake_mesh", "free_port", "record_collectives", "run_distributed"]

@@ -1,10 +1,9 @@
 """Run one function on N local processes joined by a gloo process group.
 
-This is a helper for multi-process tests, not a test file. It exists so that
-tests which need real collectives (FSDP2 all-gathers and reduce-scatters, TP
-syncs) can run in CI on CPUs, without torchrun and without a GPU::
+For tests (and benchmarks) that need real collectives (FSDP2 all-gathers and
+reduce-scatters, TP syncs) on CPUs, without torchrun and without a GPU::
 
-    from multiprocess import run_distributed      # tests/ is on sys.path under pytest
+    from fsdptx.testing import run_distributed
 
     def _worker(rank: int, world_size: int, scale: float) -> float:   # module level
         t = torch.full((1,), float(rank) * scale)
