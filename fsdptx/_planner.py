@@ -132,25 +132,19 @@ def claim(
     """The parameters ``fully_shard(roots)`` would manage, before ignoring any:
     direct parameters of every module reachable from ``roots`` without entering
     a module already sharded (``stop``). Each tied parameter once."""
-    param_fqn = index.param_fqn
-    out: list[tuple[str, nn.Parameter]] = []
-    for r in roots:  # a root may itself be in ``stop``: enter it anyway
-        out.extend((param_fqn[id(p)], p) for p in r._parameters.values() if p is not None)
-        stack = [c for c in reversed(r._modules.values()) if c is not None]
-        while stack:
-            m = stack.pop()
-            if id(m) in stop:
-                continue
-            params = m._parameters
-            if params:
-                out.extend((param_fqn[id(p)], p) for p in params.values() if p is not None)
-            children = m._modules
-            if children:
-                stack.extend(c for c in reversed(children.values()) if c is not None)
-    if index.shared_modules or index.aliases or len(roots) > 1:
-        # A module or parameter reachable twice is claimed once, as FSDP does.
-        seen: set[int] = set()
-        out = [(f, p) for f, p in out if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
+    if len(roots) == 1:
+        return _survey(index, roots[0], stop)[2]
+    return _first_occurrences([item for r in roots for item in _survey(index, r, stop)[2]])
+
+
+def _first_occurrences(claimed: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+    """Keep each parameter once: FSDP manages a parameter reached twice once."""
+    seen: set[int] = set()
+    out = []
+    for f, p in claimed:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((f, p))
     return out
 
 
@@ -364,8 +358,7 @@ def _survey(
         if children:
             stack.extend([(c, here) for c in reversed(children.values()) if c is not None])
     if index.shared_modules or index.aliases:
-        seen: set[int] = set()
-        claimed = [(f, p) for f, p in claimed if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
+        claimed = _first_occurrences(claimed)
     return order, parent, claimed
 
 
