@@ -9,7 +9,6 @@ pair keeps both constraints satisfiable at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable
-from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +17,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 __all__ = [
     "LOW_PRECISION_FLOATS",
     "compute_dtype",
+    "is_pinned",
+    "resolve_compute_dtype",
     "gradient_reduce_dtype",
     "group_params_by_dtype",
     "make_compute_dtype_fn",
@@ -57,43 +58,60 @@ def _is_lower_precision_policy(mp_policy: MixedPrecisionPolicy | None) -> bool:
     )
 
 
+def resolve_compute_dtype(
+    storage: torch.dtype,
+    pinned: bool,
+    hint: object,
+    mp_policy: MixedPrecisionPolicy | None,
+) -> torch.dtype:
+    """The compute-dtype precedence on plain facts (first match wins):
+
+    1. non-floating storage is kept (nothing to cast);
+    2. ``pinned`` (a name contains a pinned token) computes in fp32: the model
+       declares it intrinsically fp32 (``_keep_in_fp32_modules_strict``),
+       which holds even for a model built from scratch with no checkpoint;
+    3. a floating ``hint`` (``_hf_compute_dtype``, recorded at checkpoint
+       load) wins next, so a checkpoint's fp32 params stay fp32 after storage
+       was upcast;
+    4. fp32 storage under a lower-precision policy is an fp32 master weight
+       and computes in the policy's ``param_dtype``;
+    5. otherwise the storage dtype.
+    """
+    if not storage.is_floating_point:
+        return storage
+    if pinned:
+        return torch.float32
+    if isinstance(hint, torch.dtype) and hint.is_floating_point:
+        return hint
+    if storage == torch.float32 and _is_lower_precision_policy(mp_policy):
+        assert mp_policy is not None and mp_policy.param_dtype is not None
+        return mp_policy.param_dtype
+    return storage
+
+
+def is_pinned(names: Iterable[str], fp32_compute_module_names: Collection[str]) -> bool:
+    """Whether any of a tensor's names contains a pinned-fp32 token."""
+    return any(token in name for name in names for token in fp32_compute_module_names)
+
+
 def compute_dtype(
     tensor: torch.Tensor,
     names: Iterable[str],
     mp_policy: MixedPrecisionPolicy | None,
     fp32_compute_module_names: Collection[str],
 ) -> torch.dtype:
-    """Resolve one tensor's compute dtype from its storage, names and policy.
-
-    Precedence (first match wins):
-
-    1. non-floating tensors keep their storage dtype (nothing to cast);
-    2. a name containing a pinned token computes in fp32: the model declares
-       it intrinsically fp32 (``_keep_in_fp32_modules_strict``), which holds
-       even for a model built from scratch with no checkpoint to consult;
-    3. ``tensor._hf_compute_dtype`` (recorded at checkpoint load) wins next,
-       so a checkpoint's fp32 params stay fp32 after storage was upcast;
-    4. fp32 storage under a lower-precision policy is an fp32 master weight
-       and computes in the policy's ``param_dtype``;
-    5. otherwise the storage dtype.
+    """Resolve one tensor's compute dtype from its storage, names and policy
+    (precedence in :func:`resolve_compute_dtype`).
 
     Resolution is per tensor, so one genuinely bf16 sibling does not drag a
     module's fp32 master weights into fp32 compute.
     """
-    storage = tensor.dtype
-    if not storage.is_floating_point:
-        return storage
-    if fp32_compute_module_names and any(
-        token in name for name in names for token in fp32_compute_module_names
-    ):
-        return torch.float32
-    hinted: Any = getattr(tensor, "_hf_compute_dtype", None)
-    if isinstance(hinted, torch.dtype) and hinted.is_floating_point:
-        return hinted
-    if storage == torch.float32 and _is_lower_precision_policy(mp_policy):
-        assert mp_policy is not None and mp_policy.param_dtype is not None
-        return mp_policy.param_dtype
-    return storage
+    return resolve_compute_dtype(
+        tensor.dtype,
+        is_pinned(names, fp32_compute_module_names),
+        getattr(tensor, "_hf_compute_dtype", None),
+        mp_policy,
+    )
 
 
 def make_compute_dtype_fn(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from ._dtypes import compute_dtype
+from ._dtypes import is_pinned, resolve_compute_dtype
 from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind
 from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
 from ._tree import get_module_from_path, join_fqn, maximal_uniform_subtrees
@@ -61,6 +61,9 @@ class ModelIndex:
     fqn_of_module: dict[int, str] = field(default_factory=dict)
     param_fqn: dict[int, str] = field(default_factory=dict)
     param_objects: list[nn.Parameter] = field(default_factory=list)
+    # Per parameter id: (storage dtype, numel, bytes, compute hint), read once
+    # here so later passes consult this table instead of every tensor again.
+    param_facts: dict[int, tuple[torch.dtype, int, int, object]] = field(default_factory=dict)
     aliases: dict[int, list[str]] = field(default_factory=dict)
     sharded: set[int] = field(default_factory=set)
     shared_modules: bool = False  # some module is registered under two parents
@@ -68,8 +71,8 @@ class ModelIndex:
     @classmethod
     def build(cls, root: nn.Module) -> ModelIndex:
         index = cls(root)
-        modules, fqn_of_module, param_fqn, objects = (
-            index.modules, index.fqn_of_module, index.param_fqn, index.param_objects
+        modules, fqn_of_module, param_fqn, objects, facts = (
+            index.modules, index.fqn_of_module, index.param_fqn, index.param_objects, index.param_facts
         )
         stack: list[tuple[str, nn.Module]] = [("", root)]
         while stack:
@@ -91,6 +94,8 @@ class ModelIndex:
                 else:
                     param_fqn[id(p)] = prefix + name
                     objects.append(p)
+                    n = p.numel()
+                    facts[id(p)] = (p.dtype, n, n * p.element_size(), getattr(p, "_hf_compute_dtype", None))
             children = module._modules
             if children:
                 stack.extend((prefix + n, c) for n, c in reversed(children.items()) if c is not None)
@@ -176,6 +181,7 @@ class _Resolver:
             claimed = claim(self.index, modules, self.sharded)
         here = [self.index.fqn_of_module[id(m)] for m in modules]
         excluded, owner, position = self.excluded, self.owner, len(self.units)
+        facts = self.index.param_facts
         params: list[str] = []
         ignored: list[str] = []
         unit_keys: set[DtypeKey] = set()
@@ -195,9 +201,9 @@ class _Resolver:
                 continue
             params.append(f)
             unit_keys.add(keys[pid])
-            n = p.numel()
+            _dtype, n, b, _hint = facts[pid]
             numel += n
-            nbytes += n * p.element_size()
+            nbytes += b
             excluded.add(pid)
             owner[pid] = position
         storage = {k[0] for k in unit_keys}
@@ -233,28 +239,21 @@ class _Resolver:
 def param_keys(
     index: ModelIndex, mp_policy: MixedPrecisionPolicy | None, fp32_tokens: Collection[str]
 ) -> dict[int, DtypeKey]:
-    """(storage, compute) dtype of every parameter, resolved once.
-
-    Only a pinned name or a ``_hf_compute_dtype`` hint makes two parameters of
-    one storage dtype resolve differently, so the unhinted, unpinned majority
-    shares one cached resolution per storage dtype.
-    """
+    """(storage, compute) dtype of every parameter, resolved once from the
+    facts the index recorded (no tensor is consulted again); parameters with
+    equal facts share one resolution."""
     tokens = tuple(fp32_tokens)
-    plain: dict[torch.dtype, DtypeKey] = {}
+    cache: dict[tuple[torch.dtype, bool, object], DtypeKey] = {}
     keys: dict[int, DtypeKey] = {}
     aliases, param_fqn = index.aliases, index.param_fqn
-    for p in index.param_objects:
-        pid = id(p)
-        names = [param_fqn[pid], *aliases[pid]] if pid in aliases else [param_fqn[pid]]
-        special = getattr(p, "_hf_compute_dtype", None) is not None or (
-            tokens and any(t in n for n in names for t in tokens)
+    for pid, (dtype, _n, _b, hint) in index.param_facts.items():
+        pinned = bool(tokens) and is_pinned(
+            [param_fqn[pid], *aliases[pid]] if pid in aliases else (param_fqn[pid],), tokens
         )
-        if special:
-            keys[pid] = (p.dtype, compute_dtype(p, names, mp_policy, tokens))
-            continue
-        key = plain.get(p.dtype)
+        fact = (dtype, pinned, hint)
+        key = cache.get(fact)
         if key is None:
-            key = plain[p.dtype] = (p.dtype, compute_dtype(p, (), mp_policy, ()))
+            key = cache[fact] = (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy))
         keys[pid] = key
     return keys
 
