@@ -48,10 +48,13 @@ def build(blocks: int) -> nn.Module:
         )
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()``, after ``warmup`` untimed calls, with the
+    garbage collector paused during each call (as ``timeit`` does)."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
-        gc.collect()
         gc.disable()
         try:
             start = time.perf_counter()
@@ -91,26 +94,30 @@ def time_apply(blocks: int, repeats: int) -> tuple[float, float]:
 
             order = [(run_apply, applied), (run_bare, bare)]
             for fn, out in order if repeat % 2 == 0 else order[::-1]:
-                out.append(median_seconds(fn, 1))
+                out.append(median_seconds(fn, 1, warmup=0))
     return statistics.median(applied), statistics.median(bare)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, nargs="+", default=[32, 256, 2048])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--apply-repeats", type=int, default=3)
     args = parser.parse_args()
 
-    rows = []
+    # All planning timings first, then the applying ones: sharding thousands
+    # of units leaves a larger, more scattered heap behind, which would slow
+    # every later walk of a model and blur the per-size comparison.
+    planned = []
     for blocks in args.blocks:
         model = build(blocks)
         modules = sum(1 for _ in model.modules())
         plan_s = median_seconds(lambda: fsdptx.plan(model, PIPELINE, mp_policy=POLICY), args.repeats)
         walk_s = median_seconds(lambda: list(model.named_modules()), args.repeats)
         units = len(fsdptx.plan(model, PIPELINE, mp_policy=POLICY).units)
-        apply_s, bare_s = time_apply(blocks, args.apply_repeats)
-        rows.append((blocks, modules, units, plan_s, walk_s, apply_s, bare_s))
+        planned.append((blocks, modules, units, plan_s, walk_s))
+        del model
+    rows = [(*row, *time_apply(row[0], args.apply_repeats)) for row in planned]
 
     base = rows[0][3] / rows[0][1]
     print(f"torch {torch.__version__}; median of {args.repeats} plan runs, {args.apply_repeats} apply runs\n")

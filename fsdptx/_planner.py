@@ -61,9 +61,6 @@ class ModelIndex:
     fqn_of_module: dict[int, str] = field(default_factory=dict)
     param_fqn: dict[int, str] = field(default_factory=dict)
     param_objects: list[nn.Parameter] = field(default_factory=list)
-    # Per parameter id: (storage dtype, numel, bytes, compute hint), read once
-    # here so later passes consult this table instead of every tensor again.
-    param_facts: dict[int, tuple[torch.dtype, int, int, object]] = field(default_factory=dict)
     aliases: dict[int, list[str]] = field(default_factory=dict)
     sharded: set[int] = field(default_factory=set)
     shared_modules: bool = False  # some module is registered under two parents
@@ -71,8 +68,8 @@ class ModelIndex:
     @classmethod
     def build(cls, root: nn.Module) -> ModelIndex:
         index = cls(root)
-        modules, fqn_of_module, param_fqn, objects, facts = (
-            index.modules, index.fqn_of_module, index.param_fqn, index.param_objects, index.param_facts
+        modules, fqn_of_module, param_fqn, objects = (
+            index.modules, index.fqn_of_module, index.param_fqn, index.param_objects
         )
         stack: list[tuple[str, nn.Module]] = [("", root)]
         while stack:
@@ -94,12 +91,20 @@ class ModelIndex:
                 else:
                     param_fqn[id(p)] = prefix + name
                     objects.append(p)
-                    n = p.numel()
-                    facts[id(p)] = (p.dtype, n, n * p.element_size(), getattr(p, "_hf_compute_dtype", None))
             children = module._modules
             if children:
                 stack.extend((prefix + n, c) for n, c in reversed(children.items()) if c is not None)
         return index
+
+    @functools.cached_property
+    def param_facts(self) -> dict[int, tuple[torch.dtype, int, int, object]]:
+        """Per parameter id: (storage dtype, numel, bytes, ``_hf_compute_dtype``
+        hint), read from each tensor once for all of planning."""
+        facts = {}
+        for p in self.param_objects:
+            n = p.numel()
+            facts[id(p)] = (p.dtype, n, n * p.element_size(), getattr(p, "_hf_compute_dtype", None))
+        return facts
 
     @property
     def tied(self) -> bool:
