@@ -61,9 +61,11 @@ def compose(*transforms: Transform) -> Transform:
     from the sharding requests recorded in the Plan, never patched.
 
     Consecutive sharding transforms (bare or ``functools.partial`` with
-    keywords) are fused: their requests are recorded and the units resolved
-    once, which gives exactly the Plan that applying them one by one gives,
-    at the cost of one resolution instead of one per transform.
+    keywords; ``mark_reduction`` between them does not interrupt the run) are
+    fused: their requests are recorded and the units resolved once. The Plan
+    is the one applying them one by one gives; only an intermediate state
+    that cannot be planned on its own (say, blocks whose fp32 holders are
+    isolable only once a cross-block unit owns them) is never resolved.
     """
 
     def composed(model: nn.Module, p: Plan, /) -> Plan:
