@@ -51,9 +51,9 @@ def unwrap_checkpoint(module: nn.Module) -> nn.Module:
 class ModelIndex:
     """FQN <-> object tables for one model, built in one walk.
 
-    Parameter FQNs are canonical: the first name in registration order, as
-    ``named_parameters()`` reports it. ``aliases`` keeps the other names of a
-    tied parameter, because a pinned-fp32 token may appear in any of them.
+    A tied parameter's canonical FQN is its smallest name (plain string order),
+    so every rank names it alike whatever the registration order; ``aliases``
+    keeps its other names, because a pinned-fp32 token may appear in any.
     """
 
     root: nn.Module
@@ -87,7 +87,11 @@ class ModelIndex:
                 if p is None:
                     continue
                 if id(p) in param_fqn:
-                    index.aliases.setdefault(id(p), []).append(prefix + name)
+                    # Canonical is the smallest name, as in rank-stable order:
+                    # registration order may differ between ranks.
+                    first, other = sorted((param_fqn[id(p)], prefix + name))
+                    param_fqn[id(p)] = first
+                    index.aliases.setdefault(id(p), []).append(other)
                 else:
                     param_fqn[id(p)] = prefix + name
                     objects.append(p)
@@ -115,6 +119,15 @@ class ModelIndex:
     def params(self) -> dict[str, nn.Parameter]:
         """Canonical FQN -> parameter (built on first use: most plans never need it)."""
         return {self.param_fqn[id(p)]: p for p in self.param_objects}
+
+    def param_named(self, fqn: str) -> nn.Parameter | None:
+        """The parameter called ``fqn`` under its canonical name or an alias."""
+        found = self.params.get(fqn)
+        if found is None and self.aliases:
+            found = next(
+                (p for p in self.param_objects if fqn in self.aliases.get(id(p), ())), None
+            )
+        return found
 
     def names(self, p: nn.Parameter) -> list[str]:
         """Every FQN of ``p``, canonical first."""
@@ -211,6 +224,8 @@ class _Resolver:
             nbytes += b
             excluded.add(pid)
             owner[pid] = position
+        params.sort()  # FQN order: a unit is a set, and its listing must not
+        ignored.sort()  # depend on the order a rank registered modules in
         storage = {k[0] for k in unit_keys}
         compute = {k[1] for k in unit_keys}
         unit = Unit(
@@ -303,7 +318,7 @@ def _plan_target(
             k = keys[id(p)]
             counts[k] = counts.get(k, 0) + 1
     has_ignored = len(claimed) > sum(counts.values())
-    groups = list(counts)  # in registration order
+    groups = list(counts)
     if len(groups) <= 1:
         if groups or is_root:
             r.add([target], kind, r.policy(groups[0][1] if groups else None, False), reshard, keys, claimed)
@@ -312,10 +327,12 @@ def _plan_target(
     subtrees = _maximal_uniform_children(r, target, fqn, keys, order, parent)
     majority: DtypeKey | None = None
     if len(groups) == 2:
-        # Fewest parameters is the minority; on a tie, the group met later.
-        minority = min(reversed(groups), key=lambda k: counts[k])
+        # Fewest parameters is the minority; a tie is broken by the dtype
+        # names, never by registration order, so every rank plans alike.
+        minority = min(groups, key=lambda k: (counts[k], str(k)))
         majority = groups[0] if minority == groups[1] else groups[1]
         subtrees = [(f, m, k) for f, m, k in subtrees if k == minority]
+    subtrees.sort(key=lambda item: item[0])
     reached_by_children: set[int] = set()
     for f, m, k in subtrees:
         policy = r.policy(k[1], True)  # type: ignore[index]
@@ -436,15 +453,23 @@ def _isolation_message(stray: list[tuple[str, DtypeKey]], target: str) -> str:
 def plan_dtype_units(
     r: _Resolver, request: DtypeRequest, fp32_tokens: Collection[str]
 ) -> None:
-    keys = param_keys(r.index, r.mp_policy, fp32_tokens)
+    index = r.index
+    keys = param_keys(index, r.mp_policy, fp32_tokens)
     for fqn in request.ignored_params:
-        p = r.index.params.get(fqn)
+        p = index.param_named(fqn)
         if p is None:
             raise PlanningError(f"shard_by_dtype: ignored parameter {fqn!r} is not a parameter of the model")
         r.excluded.add(id(p))
     for fqn in request.targets:
-        is_root = fqn == "" and request.always_shard_root
-        _plan_target(r, fqn, keys, request.reshard_after_forward, is_root)
+        target = index.module(fqn, "shard_by_dtype target")
+        if id(target) in index.sharded:
+            raise PlanningError(
+                f"shard_by_dtype: target {fqn or '<root>'!r} is already an FSDP module; plan the "
+                "model before sharding it, or leave already-sharded modules out of blocks="
+            )
+        for element, _m in _shardable(fqn, target):  # a ModuleList target means its elements
+            is_root = element == "" and request.always_shard_root
+            _plan_target(r, element, keys, request.reshard_after_forward, is_root)
 
 
 def plan_cross_block_units(
@@ -459,6 +484,9 @@ def plan_cross_block_units(
     checkpoint recompute.
     """
     index = r.index
+    repeated = sorted({n for n in names if list(names).count(n) > 1})
+    if repeated:
+        raise PlanningError(f"shard_across_blocks: module names {repeated} are listed more than once")
     policy = r.policy(torch.float32, True)
     block_modules = [(b, unwrap_checkpoint(index.module(b, "shard_across_blocks block"))) for b in blocks]
     for name in names:
@@ -518,13 +546,20 @@ def resolve_units(
     return tuple(r.units)
 
 
+def _natural(fqn: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key reading index segments as numbers: ``layers.2`` before ``layers.10``."""
+    return tuple((0, int(seg)) if seg.isdigit() else (1, seg) for seg in fqn.split("."))
+
+
 def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[str, ...]:
     """The model's repeated blocks, by the conventions models already declare.
 
     ``_no_split_modules`` class names (Hugging Face's marker for "keep this
     module whole") win; a block wrapped for activation checkpointing is taken
     with its wrapper. Otherwise the elements of the largest ``nn.ModuleList``.
-    Matches nested inside another match are not blocks of their own.
+    Matches nested inside another match are not blocks of their own. Blocks
+    come in index order (``layers.2`` before ``layers.10``), not registration
+    order, so every rank lists them alike.
     """
     idx = index or ModelIndex.build(model)
     class_names = set(getattr(model, "_no_split_modules", None) or ())
@@ -539,7 +574,7 @@ def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[
             if not any(fqn.startswith(f + ".") for f in found[-1:]):
                 found.append(fqn)
         if found:
-            return tuple(found)
+            return tuple(sorted(found, key=_natural))
     best: tuple[str, nn.Module] | None = None
     for fqn, module in idx.modules.items():
         if type(module) is nn.ModuleList and (best is None or len(module) > len(best[1])):

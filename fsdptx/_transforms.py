@@ -133,6 +133,34 @@ def _resolve(model: nn.Module, p: Plan, index: ModelIndex) -> Plan:
     return p.replace(units=units)
 
 
+def check_reshard(value: object, where: str) -> bool | int | None:
+    """``reshard_after_forward`` must be None, a bool, or a world size >= 1;
+    caught here so a typo fails at planning, not inside the primitive after
+    earlier units were already sharded."""
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value >= 1):
+        return value  # type: ignore[return-value]
+    raise PlanningError(
+        f"{where}: reshard_after_forward must be None, True, False or a positive int world size, "
+        f"got {value!r}"
+    )
+
+
+def _blocks(blocks: Sequence[str] | None, index: ModelIndex, where: str) -> tuple[str, ...]:
+    """The target blocks: given, or discovered; never nested in one another
+    (a block inside another would be silently absorbed by it)."""
+    if blocks is None:
+        return index.blocks
+    targets = _tuple_of_str(blocks, "blocks")
+    ordered = sorted(targets)
+    for outer, inner in zip(ordered, ordered[1:]):
+        if inner == outer or inner.startswith(outer + ".") or outer == "":
+            raise PlanningError(
+                f"{where}: blocks {outer or '<root>'!r} and {inner!r} overlap; list blocks that do not "
+                "contain one another (the root is always planned last on its own)"
+            )
+    return targets
+
+
 def _tuple_of_str(value: object, what: str) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -183,7 +211,12 @@ def _request_dtype(
     ignored_params: Collection[str] = (),
     reshard_after_forward: bool | int | None = None,
 ) -> Plan:
-    targets = tuple(blocks) if blocks is not None else index.blocks
+    if plan.dtype_request is not None:
+        raise PlanningError(
+            "shard_by_dtype: the plan already has a dtype request; pass every block to one "
+            "shard_by_dtype (blocks=[...]) instead of composing it twice"
+        )
+    targets = _blocks(blocks, index, "shard_by_dtype")
     tokens = (
         _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
         if fp32_compute_module_names is not None
@@ -193,8 +226,9 @@ def _request_dtype(
         targets=tuple(t for t in targets if t) + ("",),
         fp32_compute_module_names=tokens,
         ignored_params=_tuple_of_str(ignored_params, "ignored_params"),
-        reshard_after_forward=(
-            reshard_after_forward if reshard_after_forward is not None else plan.reshard_after_forward
+        reshard_after_forward=check_reshard(
+            reshard_after_forward if reshard_after_forward is not None else plan.reshard_after_forward,
+            "shard_by_dtype",
         ),
     )
     return plan.replace(dtype_request=request)
@@ -251,7 +285,7 @@ def _request_cross_blocks(
     )
     if not names:
         return plan
-    targets = tuple(blocks) if blocks is not None else index.blocks
+    targets = _blocks(blocks, index, "shard_across_blocks")
     if not targets:
         raise PlanningError(
             f"shard_across_blocks: found no blocks in {type(model).__name__} for {list(names)}; "

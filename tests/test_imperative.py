@@ -92,7 +92,7 @@ def test_by_dtype_two_groups_give_children_internal_policy_and_module_the_caller
 def test_by_dtype_three_groups_shard_every_maximal_uniform_subtree() -> None:
     block = Block()
     prim = by_dtype(block, BF16_POLICY, fp32_names=("sinks",))
-    assert prim.targets() == [block.attn.q, block.attn.o, block.attn.sinks, block.mlp, block.gate]
+    assert prim.targets() == [block.attn.o, block.attn.q, block.attn.sinks, block.gate, block.mlp]  # FQN order
 
 
 def test_by_dtype_pinned_fp32_unit_reduces_in_fp32_without_casting_inputs() -> None:

@@ -240,7 +240,7 @@ def test_root_unit_owns_exactly_what_no_block_owns() -> None:
     p = fsdptx.plan(make_decoder(), fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks))
     root = p.units[-1]
     assert (root.kind, root.modules) == ("root", ("",))
-    assert root.params == ("embed.weight", "norm.weight", "norm.bias", "head.weight")
+    assert root.params == ("embed.weight", "head.weight", "norm.bias", "norm.weight")
 
 
 def test_root_unit_exists_even_when_blocks_own_everything() -> None:
@@ -540,7 +540,7 @@ def test_parameter_tied_within_one_unit_plans_once() -> None:
     model = make_decoder()
     model.head.weight = model.embed.weight  # both on the root unit
     p = fsdptx.plan(model, fsdptx.shard_by_dtype)
-    assert p.units[-1].params == ("embed.weight", "norm.weight", "norm.bias")
+    assert p.units[-1].params == ("embed.weight", "norm.bias", "norm.weight")
 
 
 def test_unknown_block_raises_naming_the_path() -> None:
