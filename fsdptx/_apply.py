@@ -44,7 +44,8 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     unit module is already an FSDP module or a bare container; no parameter
     is owned by two units; each unit would claim exactly the parameters the
     plan says (the plan is not stale); trainable parameters of a unit share one
-    storage dtype (FSDP2's assertion, caught early); no scalar parameters.
+    storage dtype (FSDP2's assertion, caught early); no scalar parameters;
+    ``reshard_after_forward`` values are ones the primitive accepts.
     """
     index = ModelIndex.build(model)
     problems: list[str] = []
@@ -90,6 +91,9 @@ def _check_unit(
     i: int, unit: Unit, mods: list[nn.Module], index: ModelIndex, sharded: set[int]
 ) -> list[str]:
     problems: list[str] = []
+    r = unit.reshard_after_forward
+    if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r >= 1)):
+        problems.append(f"unit {i}: reshard_after_forward={r!r} is not None, a bool or a positive int")
     missing = [f for f in unit.ignored_params if f not in index.params]
     if missing:
         problems.append(f"unit {i}: ignored parameters {missing} do not exist")
@@ -116,6 +120,21 @@ def _check_unit(
     if scalars:
         problems.append(f"unit {i}: scalar parameters {scalars} cannot be sharded; make them 1-D")
     return problems
+
+
+def _check_against_mesh(plan: Plan, mesh: DeviceMesh) -> list[str]:
+    """An int ``reshard_after_forward`` is a world size to reshard to: it must
+    divide the mesh's shard dimension, which only the mesh can tell."""
+    sized = [(i, u) for i, u in enumerate(plan.units) if type(u.reshard_after_forward) is int]
+    if not sized:
+        return []
+    shard_size = mesh.shape[-1]
+    return [
+        f"unit {i} ({', '.join(u.modules) or '<root>'}): reshard_after_forward={u.reshard_after_forward} "
+        f"does not divide the shard dimension of the mesh ({shard_size})"
+        for i, u in sized
+        if shard_size % u.reshard_after_forward  # type: ignore[operator]
+    ]
 
 
 def shard_kwargs(unit: Unit, mesh: DeviceMesh) -> dict[str, Any]:
@@ -156,6 +175,7 @@ def apply_plan(
     record calls and frameworks can substitute their own.
     """
     resolved = check_plan(plan, model)
+    _fail(_check_against_mesh(plan, mesh))
     for unit, mods in zip(plan.units, resolved):
         kwargs = shard_kwargs(unit, mesh)
         if unit.ignored_params:

@@ -55,6 +55,12 @@ def gradient_chunks(
             chunk.append(tensor)
             room -= cost
             continue
+        if not tensor.is_contiguous() and cost <= max_bytes:
+            # It cannot be cut, but fits whole in a fresh chunk: put it there,
+            # so whether it is accepted never depends on what came before it.
+            yield chunk
+            chunk, room = [tensor], max_bytes - cost
+            continue
         if not tensor.is_contiguous():
             raise ValueError(
                 f"gradient_chunks: tensor {index} (shape {tuple(tensor.shape)}) must be split "

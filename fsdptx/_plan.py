@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Literal
 
 import torch
@@ -72,8 +71,33 @@ class CrossBlockRequest:
     names: tuple[str, ...]
 
 
-def _frozen_mapping(m: Mapping[str, Reduction]) -> Mapping[str, Reduction]:
-    return MappingProxyType(dict(sorted(m.items())))
+class FrozenReductions(Mapping[str, Reduction]):
+    """Parameter FQN -> reduction, immutable, in FQN order; unlike a
+    ``MappingProxyType`` it pickles and deep-copies, so a Plan can be sent
+    between processes or kept for later."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, Reduction] | None = None) -> None:
+        self._items: dict[str, Reduction] = dict(sorted((items or {}).items()))
+
+    def __getitem__(self, key: str) -> Reduction:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._items.items()))
+
+    def __repr__(self) -> str:
+        return f"FrozenReductions({self._items!r})"
+
+    def __reduce__(self) -> tuple[type[FrozenReductions], tuple[dict[str, Reduction]]]:
+        return (FrozenReductions, (self._items,))
 
 
 @dataclass(frozen=True)
@@ -86,7 +110,7 @@ class Plan:
     disabled)."""
 
     units: tuple[Unit, ...] = ()
-    reductions: Mapping[str, Reduction] = field(default_factory=lambda: MappingProxyType({}))
+    reductions: Mapping[str, Reduction] = field(default_factory=FrozenReductions)
     exclusions: tuple[str, ...] = ()
     mp_policy: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
@@ -101,7 +125,8 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
         object.__setattr__(self, "exclusions", tuple(self.exclusions))
-        object.__setattr__(self, "reductions", _frozen_mapping(self.reductions))
+        if not isinstance(self.reductions, FrozenReductions):
+            object.__setattr__(self, "reductions", FrozenReductions(self.reductions))
 
     def replace(self, **changes: object) -> Plan:
         """A copy with ``changes``; the Plan itself never changes."""
@@ -149,7 +174,7 @@ def format_plan(plan: Plan) -> str:
                 str(i),
                 u.kind,
                 summarize_modules(u.modules),
-                f"{_dtype_name(u.storage_dtype)}->{_dtype_name(u.compute_dtype)}",
+                "-" if u.storage_dtype is None else f"{_dtype_name(u.storage_dtype)}->{_dtype_name(u.compute_dtype)}",
                 str(len(u.params)),
                 f"{u.numel:,}",
                 _human_bytes(u.nbytes),

@@ -30,7 +30,12 @@ __all__ = [
 
 
 class Transform(Protocol):
-    """Reads a model and returns a new Plan; never mutates either."""
+    """Reads a model and returns a new Plan; never mutates either.
+
+    The sharding transforms resolve ``Plan.units`` from the requests recorded
+    in the Plan, replacing whatever units it held: a transform of your own that
+    edits units should run after them.
+    """
 
     def __call__(self, model: nn.Module, plan: Plan, /) -> Plan: ...
 

@@ -258,3 +258,21 @@ def test_plan_from_one_model_applies_to_an_identical_model() -> None:
     p = fsdptx.plan(source, PIPELINE)
     prim = record(p, target)
     assert len(prim.calls) == len(p.units) and prim.calls[-1][0] is target
+
+
+def test_reshard_world_size_not_dividing_the_mesh_is_refused_before_any_unit() -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, functools.partial(fsdptx.shard_by_dtype, reshard_after_forward=3))
+    prim = RecordingPrimitive()
+    with fake_mesh((4,), ("dp",)) as mesh, pytest.raises(PlanMismatchError) as info:
+        fsdptx.apply_plan(p, model, mesh, shard_module=prim)
+    assert "reshard_after_forward=3 does not divide the shard dimension of the mesh (4)" in str(info.value)
+    assert prim.calls == []
+
+
+def test_hand_built_unit_with_invalid_reshard_value_is_refused() -> None:
+    model = make_decoder()
+    p = replace_unit(fsdptx.plan(model, PIPELINE), 0, reshard_after_forward="yes")
+    message, prim = refused(p, model)
+    assert "unit 0: reshard_after_forward='yes' is not None, a bool or a positive int" in message
+    assert prim.calls == []

@@ -154,3 +154,11 @@ def test_integer_tensors_are_budgeted_at_their_own_itemsize() -> None:
     t = torch.zeros(8, dtype=torch.int8)
 
     assert [[p.numel() for p in c] for c in gradient_chunks([t], max_bytes=4)] == [[4], [4]]
+
+
+def test_non_contiguous_tensor_that_fits_a_fresh_chunk_is_accepted_wherever_it_comes() -> None:
+    small = torch.zeros(3)
+    transposed = torch.zeros(4, 4).t()  # 64 bytes, not contiguous: cannot be cut
+    chunks = list(gradient_chunks([small, transposed], max_bytes=64))
+    assert len(chunks) == 2
+    assert chunks[0] == [small] and chunks[1][0] is transposed

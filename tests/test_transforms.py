@@ -6,6 +6,7 @@ Nothing here touches a process group: transforms only read the model.
 from __future__ import annotations
 
 import functools
+import pickle
 import itertools
 from collections.abc import Iterable
 
@@ -553,3 +554,47 @@ def test_unknown_ignored_param_raises_naming_it() -> None:
     transform = functools.partial(fsdptx.shard_by_dtype, ignored_params=["layers.0.nope.weight"])
     with pytest.raises(PlanningError, match=r"'layers\.0\.nope\.weight'"):
         fsdptx.plan(make_decoder(), transform)
+
+
+def test_invalid_reshard_after_forward_is_a_planning_error() -> None:
+    with pytest.raises(fsdptx.PlanningError, match="reshard_after_forward must be None, True, False"):
+        fsdptx.plan(make_decoder(), functools.partial(fsdptx.shard_by_dtype, reshard_after_forward=0))
+
+
+def test_blocks_given_as_one_string_mean_that_one_block() -> None:
+    p = fsdptx.plan(make_decoder(), functools.partial(fsdptx.shard_by_dtype, blocks="layers.0"))
+    assert "layers.0" in [u.modules[0] for u in p.units]
+    assert "layers.1" not in [u.modules[0] for u in p.units]
+
+
+def test_nested_blocks_are_refused_naming_both() -> None:
+    with pytest.raises(fsdptx.PlanningError, match="'layers.0' and 'layers.0.attn' overlap"):
+        fsdptx.plan(make_decoder(), functools.partial(fsdptx.shard_by_dtype, blocks=["layers.0", "layers.0.attn"]))
+
+
+def test_composing_shard_by_dtype_twice_is_refused() -> None:
+    twice = fsdptx.compose(
+        functools.partial(fsdptx.shard_by_dtype, blocks=["layers.0"]),
+        functools.partial(fsdptx.shard_by_dtype, blocks=["layers.1"]),
+    )
+    with pytest.raises(fsdptx.PlanningError, match="already has a dtype request"):
+        fsdptx.plan(make_decoder(), twice)
+
+
+def test_module_list_target_is_planned_as_its_elements() -> None:
+    p = fsdptx.plan(make_decoder(), functools.partial(fsdptx.shard_by_dtype, blocks=["layers"]))
+    block_units = [u.modules for u in p.units if u.kind == "block"]
+    assert block_units == [("layers.0",), ("layers.1",)]
+
+
+def test_repeated_cross_block_name_is_refused() -> None:
+    with pytest.raises(fsdptx.PlanningError, match=r"module names \['attn.sinks'\] are listed more than once"):
+        fsdptx.plan(
+            make_decoder(),
+            functools.partial(fsdptx.shard_across_blocks, module_names=("attn.sinks", "attn.sinks")),
+        )
+
+
+def test_plan_survives_pickling() -> None:
+    p = fsdptx.plan(make_decoder(), fsdptx.compose(*PIPELINE_PARTS), mp_policy=BF16_POLICY)
+    assert pickle.loads(pickle.dumps(p)) == p
