@@ -203,6 +203,8 @@ def iter_maximal_uniform_dtype_subtrees(
     ``tensor_pred`` is skipped (it constrains nothing); no yielded module is a
     strict descendant of another. ``dtype_of`` lets callers unify on compute
     dtype instead of storage dtype. Order is registration order; one pass.
+    A module registered under two parents can lie inside two yielded
+    subtrees that are not nested (neither can be yielded without it).
     """
     dtype_fn: Callable[[torch.Tensor], torch.dtype] = dtype_of or (lambda t: t.dtype)
 
