@@ -324,3 +324,11 @@ def test_mtp_cp_pp_still_rejects_missing_cp_support() -> None:
 
 def test_mtp_cp_pp_accepts_model_without_supports() -> None:
     fsdptx.reject_unsupported_mtp_cp_pp(make_decoder(), pp_size=8)
+
+
+def test_by_dtype_on_a_module_already_sharded_is_refused_naming_it() -> None:
+    block = Block()
+    with fake_mesh((2,), ("dp",)) as mesh:
+        fsdptx.fully_shard_by_dtype(block, mesh, None, None)
+        with pytest.raises(ValueError, match="target '<root>' is already an FSDP module"):
+            fsdptx.fully_shard_by_dtype(block, mesh, None, None)
