@@ -165,17 +165,10 @@ def _parts(model_parts: ModelParts) -> list[nn.Module]:
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i, in one foreach op for the pairs of
-    equal dtype. Casting pairs are copied one by one: a casting ``cat`` or
-    foreach copy stages each input through a temporary, which would push the
-    peak past the buffer budget."""
-    same = [i for i, (d, s) in enumerate(zip(dst, src)) if d.dtype == s.dtype]
-    if same:
-        torch._foreach_copy_([dst[i] for i in same], [src[i] for i in same])
-    if len(same) < len(dst):
-        for d, s in zip(dst, src):
-            if d.dtype != s.dtype:
-                d.copy_(s)
+    """``dst[i].copy_(src[i])`` for all i in one foreach op; it casts per
+    tensor in place (unlike a casting ``cat``, which stages every input
+    through a temporary and would push the peak past the buffer budget)."""
+    torch._foreach_copy_(dst, src)
 
 
 def _run_chunked(
@@ -196,8 +189,8 @@ def _run_chunked(
     collective. One allocation per group is reused by every chunk:
     a fresh buffer per chunk could overlap the previous one, which the
     backend's worker thread may release only after the next is allocated. So
-    the extra memory is bounded by the budget (plus contiguous copies of any
-    non-contiguous tensors, which are rare for gradients).
+    the extra memory is bounded by the budget, plus the divisor scalar and
+    contiguous copies of any non-contiguous tensors (rare for gradients).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -207,6 +200,9 @@ def _run_chunked(
         work = [tensors[i] if tensors[i].is_contiguous() else tensors[i].contiguous() for i in members]
         flat = [w.view(-1) for w in work]
         owner, consumed = 0, 0
+        # One scalar tensor for the whole group (4 bytes for fp32): a Python
+        # number would be wrapped in a fresh one per segment.
+        scale = torch.tensor(divisor, dtype=dtype, device=device) if divide else None
         storage: torch.Tensor | None = None
         for chunk in gradient_chunks(flat, max_bytes):
             sizes = [piece.numel() for piece in chunk]
@@ -226,7 +222,7 @@ def _run_chunked(
                     to_divide.append(segment)
                 consumed += size
             if to_divide:
-                torch._foreach_div_(to_divide, divisor)
+                torch._foreach_div_(to_divide, scale)  # type: ignore[arg-type]
             _copy_all(chunk, segments)
             del buffer, segments, to_divide
         storage = None
