@@ -116,7 +116,6 @@ def main() -> None:
         walk_s = median_seconds(lambda: list(model.named_modules()), args.repeats)
         units = len(fsdptx.plan(model, PIPELINE, mp_policy=POLICY).units)
         planned.append((blocks, modules, units, plan_s, walk_s))
-        del model
     rows = [(*row, *time_apply(row[0], args.apply_repeats)) for row in planned]
 
     base = rows[0][3] / rows[0][1]

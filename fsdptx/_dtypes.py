@@ -130,11 +130,11 @@ def make_compute_dtype_fn(
     """
     ignored = {id(p) for p in ignored_params or ()}
     names: dict[int, list[str]] = {}
-    for fqn, t in module.named_parameters(remove_duplicate=False):
-        if id(t) not in ignored:
-            names.setdefault(id(t), []).append(fqn)
-    for fqn, t in module.named_buffers(remove_duplicate=False):
-        names.setdefault(id(t), []).append(fqn)
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in ignored:
+            names.setdefault(id(p), []).append(fqn)
+    for fqn, b in module.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), []).append(fqn)
     tokens = tuple(fp32_compute_module_names)
 
     def resolve(tensor: torch.Tensor) -> torch.dtype:

@@ -334,8 +334,8 @@ def _plan_target(
         subtrees = [(f, m, k) for f, m, k in subtrees if k == minority]
     subtrees.sort(key=lambda item: item[0])
     reached_by_children: set[int] = set()
-    for f, m, k in subtrees:
-        policy = r.policy(k[1], True)  # type: ignore[index]
+    for f, m, key in subtrees:
+        policy = r.policy(key[1], True)  # type: ignore[index]
         for _cf, child in _shardable(f, m, r.sharded):
             child_claimed = claim(index, [child], r.sharded)
             reached_by_children.update(id(p) for _q, p in child_claimed)
@@ -421,12 +421,12 @@ def _maximal_uniform_children(
                     state[i] = _MIXED_KEY
                     break
     for i in range(len(order) - 1, 0, -1):
-        k, up = state[i], parent[i]
-        if k is None or state[up] is _MIXED_KEY:
+        folded, up = state[i], parent[i]
+        if folded is None or state[up] is _MIXED_KEY:
             continue
         if state[up] is None:
-            state[up] = k
-        elif state[up] != k:
+            state[up] = folded
+        elif state[up] != folded:
             state[up] = _MIXED_KEY
     fqn_of = r.index.fqn_of_module
     return [
@@ -577,7 +577,7 @@ def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[
             return tuple(sorted(found, key=_natural))
     best: tuple[str, nn.Module] | None = None
     for fqn, module in idx.modules.items():
-        if type(module) is nn.ModuleList and (best is None or len(module) > len(best[1])):
+        if type(module) is nn.ModuleList and (best is None or len(module._modules) > len(best[1]._modules)):
             best = (fqn, module)
     if best is None:
         return ()

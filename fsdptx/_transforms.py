@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from torch import nn
@@ -171,11 +171,13 @@ def _tuple_of_str(value: object, what: str) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         return (value,)
-    items = tuple(value)  # type: ignore[call-overload]
+    if not isinstance(value, Iterable):
+        raise TypeError(f"{what} must be a string or strings, got {type(value).__name__}")
+    items: tuple[object, ...] = tuple(value)
     bad = [v for v in items if not isinstance(v, str)]
     if bad:
         raise TypeError(f"{what} must be strings, got {bad!r}")
-    return items
+    return items  # type: ignore[return-value]
 
 
 RequestFn = Callable[..., Plan]

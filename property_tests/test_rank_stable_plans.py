@@ -27,7 +27,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import fsdptx
 from fsdptx import Plan, PlanningError
 from fsdptx.testing import fake_mesh
-from fsdptx.testing.strategies import ModuleSpec, TensorSpec, TreeSpec, build_module, tree_specs
+from fsdptx.testing.strategies import (
+    ModuleSpec,
+    TensorSpec,
+    TreeSpec,
+    build_module,
+    tree_specs,
+)
 
 WORLD = 4
 BF16, FP32 = torch.bfloat16, torch.float32

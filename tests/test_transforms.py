@@ -6,8 +6,8 @@ Nothing here touches a process group: transforms only read the model.
 from __future__ import annotations
 
 import functools
-import pickle
 import itertools
+import pickle
 from collections.abc import Iterable
 
 import pytest

@@ -44,7 +44,7 @@ def _group_ranks(args: list[Any]) -> tuple[int, ...]:
             return tuple(dist.get_process_group_ranks(pg))
         if isinstance(a, str):  # functional collectives name their group
             try:
-                pg = dist.distributed_c10d._resolve_process_group(a)
+                pg = dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type]
             except RuntimeError:
                 continue  # a reduce-op name such as "sum"
             return tuple(dist.get_process_group_ranks(pg))

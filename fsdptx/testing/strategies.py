@@ -148,8 +148,10 @@ def _build(spec: ModuleSpec, rng: random.Random | None) -> nn.Module:
             b: TensorSpec = item  # type: ignore[assignment]
             module.register_buffer(b.name, _values(b))
         else:
-            name, child = item  # type: ignore[misc]
-            module.add_module(name, _build(child, rng))
+            child_name: str
+            child_spec: ModuleSpec
+            child_name, child_spec = item  # type: ignore[misc]
+            module.add_module(child_name, _build(child_spec, rng))
     return module
 
 
