@@ -143,3 +143,11 @@ def make_decoder(n_layers: int = 2, *, device: str | torch.device = "cpu", seed:
 def tokens(batch: int = 2, seq: int = 3) -> torch.Tensor:
     """A deterministic batch of token ids for ``TinyDecoder``."""
     return torch.arange(batch * seq).reshape(batch, seq) % VOCAB
+
+
+def container(**children: nn.Module) -> nn.Module:
+    """A tensor-less module with the given children, registered in argument order."""
+    m = nn.Module()
+    for name, child in children.items():
+        m.add_module(name, child)
+    return m

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import container
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -30,13 +31,6 @@ def holder(**params: nn.Parameter) -> nn.Module:
     return m
 
 
-def block(**children: nn.Module) -> nn.Module:
-    m = nn.Module()
-    for name, child in children.items():
-        m.add_module(name, child)
-    return m
-
-
 # --- make_compute_dtype_fn: one test per precedence rule ------------------------------
 
 
@@ -49,7 +43,7 @@ def test_non_floating_tensor_keeps_its_storage_dtype() -> None:
 
 
 def test_name_containing_a_pinned_token_computes_in_fp32_even_for_bf16_storage() -> None:
-    m = block(mixer=holder(A_log=param(BF16), weight=param(BF16)))
+    m = container(mixer=holder(A_log=param(BF16), weight=param(BF16)))
     resolve = make_compute_dtype_fn(m, BF16_POLICY, fp32_compute_module_names=("A_log",))
 
     assert resolve(m.mixer.A_log) == FP32
@@ -57,7 +51,7 @@ def test_name_containing_a_pinned_token_computes_in_fp32_even_for_bf16_storage()
 
 
 def test_pinned_token_matches_any_part_of_the_fqn() -> None:
-    m = block(layers=nn.ModuleList([block(router=holder(weight=param(FP32)))]))
+    m = container(layers=nn.ModuleList([container(router=holder(weight=param(FP32)))]))
     resolve = make_compute_dtype_fn(m, BF16_POLICY, fp32_compute_module_names=("router",))
 
     assert resolve(m.layers[0].router.weight) == FP32
@@ -137,7 +131,7 @@ def test_bf16_storage_stays_bf16_with_policy_none() -> None:
 @pytest.mark.parametrize("pinned_name", ["lm_head", "embed_tokens"])
 def test_tied_tensor_is_pinned_via_any_of_its_names(pinned_name: str) -> None:
     shared = param(FP32)
-    m = block(embed_tokens=holder(weight=shared), lm_head=holder(weight=shared))
+    m = container(embed_tokens=holder(weight=shared), lm_head=holder(weight=shared))
     resolve = make_compute_dtype_fn(m, BF16_POLICY, fp32_compute_module_names=(pinned_name,))
 
     assert resolve(shared) == FP32
@@ -200,7 +194,7 @@ def test_ignored_params_are_left_out_of_every_group() -> None:
 
 def test_tied_param_is_grouped_once() -> None:
     shared = param(BF16)
-    m = block(x=holder(w=shared), y=holder(w=shared))
+    m = container(x=holder(w=shared), y=holder(w=shared))
 
     groups = group_params_by_dtype(m)
 

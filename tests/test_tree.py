@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import container
 from torch import nn
 
 from fsdptx import (
@@ -23,14 +24,6 @@ def leaf(dtype: torch.dtype = FP32, *, buffer: torch.Tensor | None = None) -> nn
     m.weight = nn.Parameter(torch.zeros(2, dtype=dtype))
     if buffer is not None:
         m.register_buffer("buf", buffer)
-    return m
-
-
-def container(**children: nn.Module) -> nn.Module:
-    """A tensor-less module with the given children, registered in argument order."""
-    m = nn.Module()
-    for name, child in children.items():
-        m.add_module(name, child)
     return m
 
 
