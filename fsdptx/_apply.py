@@ -6,21 +6,30 @@ never leaves a model half-sharded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.distributed._composable.contract import _get_registry
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ._marks import exclude_from_tp_replica_sync, mark_parameter_reduction
-from ._plan import Plan, Unit
+from ._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
+from ._plan import Checkpointing, Plan, Unit
 from ._planner import ModelIndex, claim, is_container
 from ._policy import primitive_policy
+from .tp._transform import check_tensor_parallel, tp_styles_by_module
 
 __all__ = ["PlanMismatchError", "apply_plan", "check_plan", "shard_kwargs"]
 
 ShardModule = Callable[..., Any]
+ParallelizeModule = Callable[..., Any]
+CheckpointModule = Callable[..., Any]
 
 
 class PlanMismatchError(ValueError):
@@ -91,6 +100,12 @@ def _check_unit(
     i: int, unit: Unit, mods: list[nn.Module], index: ModelIndex, sharded: set[int]
 ) -> list[str]:
     problems: list[str] = []
+    if unit.mp_policy is not None and not isinstance(unit.mp_policy, MixedPrecisionPolicy):
+        problems.append(f"unit {i}: mp_policy {unit.mp_policy!r} is not a MixedPrecisionPolicy or None")
+    if unit.offload_policy is not None and not isinstance(unit.offload_policy, OffloadPolicy):
+        problems.append(f"unit {i}: offload_policy {unit.offload_policy!r} is not an OffloadPolicy or None")
+    if unit.mesh not in ("dp", "moe"):
+        problems.append(f"unit {i}: mesh {unit.mesh!r} is neither 'dp' nor 'moe'")
     r = unit.reshard_after_forward
     if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r >= 1)):
         problems.append(f"unit {i}: reshard_after_forward={r!r} is not None, a bool or a positive int")
@@ -122,22 +137,81 @@ def _check_unit(
     return problems
 
 
-def _check_against_mesh(plan: Plan, mesh: DeviceMesh) -> list[str]:
-    """An int ``reshard_after_forward`` is a world size to reshard to: it must
-    divide the mesh's shard dimension, which only the mesh can tell."""
+def _check_against_mesh(plan: Plan, model: nn.Module, mesh: object, moe_mesh: DeviceMesh | None) -> list[str]:
+    """What only the meshes can tell: the dims are known, a TP plan has a
+    ``tp`` dim to run on and fits its size, expert units have a MoE mesh,
+    and an int ``reshard_after_forward`` divides the shard dim."""
+    if not isinstance(mesh, DeviceMesh):
+        # Another framework's mesh object, handed to its own primitive as is.
+        return ["the plan has tensor parallelism, which needs a torch DeviceMesh"] if plan.tensor_parallel else []
+    try:
+        dims = parallel_dims(mesh)
+    except ValueError as e:
+        return [str(e)]
+    problems: list[str] = []
+    tp = plan.tensor_parallel
+    if tp is not None and tp.assignments:
+        if dims.tp == 1:
+            problems.append("the plan has tensor parallelism but the mesh has no tp dim of size > 1")
+        else:
+            problems.extend(check_tensor_parallel(tp, model, dims.tp))
+            already = sorted(f for f, p in model.named_parameters() if isinstance(p, DTensor))
+            if already:
+                problems.append(
+                    f"the model is already parallelized: {_preview(already)} are DTensors; "
+                    "build a fresh model and apply the plan once"
+                )
+    if any(u.mesh == "moe" for u in plan.units) and moe_mesh is None:
+        moe = [u.modules[0] for u in plan.units if u.mesh == "moe"]
+        problems.append(f"units for expert modules {_preview(moe)} need moe_mesh=, which was not given")
+    elif moe_mesh is not None:
+        try:
+            moe_dp_dims(moe_mesh, mesh)
+        except (TypeError, ValueError) as e:
+            problems.append(str(e))
     sized = [(i, u) for i, u in enumerate(plan.units) if type(u.reshard_after_forward) is int]
-    if not sized:
-        return []
-    shard_size = mesh.shape[-1]
-    return [
+    problems.extend(
         f"unit {i} ({', '.join(u.modules) or '<root>'}): reshard_after_forward={u.reshard_after_forward} "
-        f"does not divide the shard dimension of the mesh ({shard_size})"
+        f"does not divide the shard dimension of the mesh ({dims.dp_shard})"
         for i, u in sized
-        if shard_size % u.reshard_after_forward  # type: ignore[operator]
+        if dims.dp_shard % u.reshard_after_forward  # type: ignore[operator]
+    )
+    return problems
+
+
+def _check_checkpointing(ac: Checkpointing | None, model: nn.Module) -> list[str]:
+    if ac is None:
+        return []
+    modules = dict(model.named_modules())
+    problems = [f"checkpointed module {m!r} does not exist" for m in ac.modules if m not in modules]
+    done = [m for m in ac.modules if m in modules and _is_checkpointed(modules[m])]
+    if done:
+        problems.append(f"modules {_preview(done)} already have activation checkpointing")
+    return problems
+
+
+def _is_checkpointed(module: nn.Module) -> bool:
+    """Composable ``checkpoint`` registers itself on the module; the wrapper
+    API puts the block inside a ``_checkpoint_wrapped_module``."""
+    return "checkpoint" in (_get_registry(module) or {}) or "_checkpoint_wrapped_module" in module._modules
+
+
+def _check_prefetch(plan: Plan) -> list[str]:
+    heads = {u.modules[0] for u in plan.units if len(u.modules) == 1}
+    return [
+        f"prefetch chain names {m!r}, which is not a single-module unit of the plan"
+        for c in plan.prefetch
+        for m in (c.unit, *c.forward, *c.backward)
+        if m not in heads
     ]
 
 
-def shard_kwargs(unit: Unit, mesh: DeviceMesh) -> dict[str, Any]:
+def _preview(items: Sequence[str], n: int = 3) -> str:
+    shown = ", ".join(repr(i) for i in items[:n])
+    return shown + (f" ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def shard_kwargs(unit: Unit, mesh: object) -> dict[str, Any]:
     """Keyword arguments for the primitive. ``reshard_after_forward=None`` and a
     ``None`` offload policy are left out so the primitive's defaults apply; a
     ``None`` mixed-precision policy becomes ``MixedPrecisionPolicy()``."""
@@ -158,29 +232,96 @@ def _live_param(root: nn.Module, fqn: str) -> nn.Parameter:
     return p
 
 
+# Ops whose outputs selective checkpointing keeps: the costly ones
+# (matrix multiplications, attention). Everything else (elementwise ops,
+# norms, activations) is cheap to recompute and is not kept.
+_SAVED_OPS = (
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.baddbmm.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+)
+
+
+def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    del ctx, args, kwargs
+    return CheckpointPolicy.MUST_SAVE if str(op) in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _fsdp_meshes(plan: Plan, mesh: object, moe_mesh: DeviceMesh | None) -> tuple[object, object]:
+    if not plan.units:
+        return mesh, None
+    dense = fsdp_mesh(mesh) if isinstance(mesh, DeviceMesh) else mesh
+    moe = moe_fsdp_mesh(moe_mesh, mesh) if moe_mesh is not None and isinstance(mesh, DeviceMesh) else None
+    return dense, moe
+
+
 def apply_plan(
     plan: Plan,
     model: nn.Module,
     mesh: DeviceMesh,
     *,
+    moe_mesh: DeviceMesh | None = None,
     shard_module: ShardModule = fully_shard,
+    parallelize_module: ParallelizeModule = torch_parallelize_module,
+    checkpoint_module: CheckpointModule = composable_checkpoint,
 ) -> nn.Module:
-    """Shard ``model`` as ``plan`` says: one ``shard_module`` call per unit, in
-    order (a list of modules for a multi-module unit), then the TP-replica
-    reduction marks and exclusions. Returns ``model``.
+    """Carry out ``plan`` on ``model``; returns ``model``.
 
-    The whole plan is checked first (:func:`check_plan`); on any problem a
-    :class:`PlanMismatchError` lists them all and the model is untouched.
-    ``shard_module`` is the primitive (``fully_shard`` by default) so tests can
-    record calls and frameworks can substitute their own.
+    Everything is checked first (units against the model, policies, mesh
+    dims, TP patterns and divisibility, checkpointed and prefetched
+    modules); on any problem a :class:`PlanMismatchError` lists them all and
+    the model is untouched. Then, in this fixed order: tensor parallelism
+    (one ``parallelize_module`` call on the ``tp`` submesh), activation
+    checkpointing, one ``shard_module`` call per FSDP unit in plan order (a
+    list of modules for a multi-module unit; expert units on ``moe_mesh``'s
+    data-parallel dims), prefetch chains, unused-parameter reduction, then
+    the TP-replica reduction marks and exclusions.
+
+    ``mesh`` is read by dim names (``dp_replicate``, ``dp_shard``/``dp``,
+    ``cp``, ``tp``, ``pp``); FSDP shards over the data-parallel dims with
+    ``cp`` folded in (HSDP when ``dp_replicate`` is present). Each effect is
+    an argument with torch's default, so tests can record calls and other
+    frameworks substitute their own.
     """
     resolved = check_plan(plan, model)
-    _fail(_check_against_mesh(plan, mesh))
+    problems = _check_against_mesh(plan, model, mesh, moe_mesh)
+    problems += _check_checkpointing(plan.checkpointing, model)
+    problems += _check_prefetch(plan)
+    _fail(problems)
+    dense, moe = _fsdp_meshes(plan, mesh, moe_mesh)
+
+    tp = plan.tensor_parallel
+    if tp is not None and tp.assignments:
+        parallelize_module(model, tp_mesh(mesh), tp_styles_by_module(tp))  # type: ignore[arg-type]
+    if plan.checkpointing is not None:
+        extra = {"context_fn": _selective_context} if plan.checkpointing.mode == "selective" else {}
+        for fqn in plan.checkpointing.modules:
+            checkpoint_module(model.get_submodule(fqn), **extra)
     for unit, mods in zip(plan.units, resolved):
-        kwargs = shard_kwargs(unit, mesh)
+        kwargs = shard_kwargs(unit, moe if unit.mesh == "moe" else dense)
         if unit.ignored_params:
             kwargs["ignored_params"] = {_live_param(model, f) for f in unit.ignored_params}
         shard_module(mods[0] if len(mods) == 1 else mods, **kwargs)
+    for chain in plan.prefetch:
+        unit_module = model.get_submodule(chain.unit)
+        if isinstance(unit_module, FSDPModule):
+            if chain.forward:
+                unit_module.set_modules_to_forward_prefetch([model.get_submodule(m) for m in chain.forward])  # type: ignore[misc]
+            if chain.backward:
+                unit_module.set_modules_to_backward_prefetch([model.get_submodule(m) for m in chain.backward])  # type: ignore[misc]
+    if plan.reduce_unused_params:
+        from ._imperative import configure_fsdp_unused_param_reduction  # local: _imperative applies plans
+
+        configure_fsdp_unused_param_reduction(model)
     for pfqn, reduction in plan.reductions.items():
         module_fqn, _, name = pfqn.rpartition(".")
         mark_parameter_reduction(model.get_submodule(module_fqn), name, reduction)

@@ -15,12 +15,31 @@ from typing import Literal
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["CrossBlockRequest", "DtypeRequest", "Plan", "Reduction", "Unit", "UnitKind", "REDUCTIONS"]
+__all__ = [
+    "Checkpointing",
+    "CrossBlockRequest",
+    "DtypeRequest",
+    "Plan",
+    "Prefetch",
+    "REDUCTIONS",
+    "Reduction",
+    "TPAssignment",
+    "TensorParallel",
+    "Unit",
+    "UnitKind",
+    "UnitMesh",
+]
 
 Reduction = Literal["mean", "sum"]
 REDUCTIONS: tuple[Reduction, ...] = ("mean", "sum")
-UnitKind = Literal["cross-block", "dtype", "block", "root"]
+UnitKind = Literal["cross-block", "dtype", "block", "expert", "root"]
+# Which mesh a unit shards over: the dense data-parallel mesh, or the MoE
+# mesh's data-parallel dims (expert modules, whose ranks are laid out for
+# expert parallelism).
+UnitMesh = Literal["dp", "moe"]
+CheckpointMode = Literal["full", "selective"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +63,7 @@ class Unit:
     reshard_after_forward: bool | int | None
     numel: int
     nbytes: int
+    mesh: UnitMesh = "dp"
 
 
 @dataclass(frozen=True)
@@ -71,6 +91,51 @@ class CrossBlockRequest:
     names: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class TPAssignment:
+    """One module's tensor-parallel style, resolved from a pattern of the
+    request to a concrete module FQN. ``style`` is the readable name the Plan
+    shows and compares; ``parallel_style`` is the torch object handed to
+    ``parallelize_module`` (torch styles define no equality, so it is not
+    part of the Plan's value)."""
+
+    module: str
+    style: str
+    pattern: str
+    parallel_style: ParallelStyle = field(compare=False, repr=False, hash=False)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What :func:`fsdptx.tensor_parallel` asked for: one assignment per
+    module, in FQN order. ``skipped`` lists declared entries that are not
+    applied as a torch style (pattern, style, why): for example Hugging
+    Face's ``replicated_with_grad_allreduce``, which becomes a TP-replica
+    reduction mark instead."""
+
+    assignments: tuple[TPAssignment, ...]
+    sequence_parallel: bool
+    skipped: tuple[tuple[str, str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Activation checkpointing requested for ``modules`` (the blocks)."""
+
+    mode: CheckpointMode
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Explicit FSDP prefetch chain of one unit (named by its first module):
+    which units it all-gathers ahead of time in forward and in backward."""
+
+    unit: str
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+
+
 class FrozenReductions(Mapping[str, Reduction]):
     """Parameter FQN -> reduction, immutable, in FQN order; unlike a
     ``MappingProxyType`` it pickles and deep-copies, so a Plan can be sent
@@ -80,6 +145,11 @@ class FrozenReductions(Mapping[str, Reduction]):
 
     def __init__(self, items: Mapping[str, Reduction] | None = None) -> None:
         self._items: dict[str, Reduction] = dict(sorted((items or {}).items()))
+        # Refused here, where every Plan's marks pass: a typo such as "max"
+        # would otherwise be synchronized as some other reduction.
+        bad = {k: v for k, v in self._items.items() if v not in REDUCTIONS}
+        if bad:
+            raise ValueError(f"unknown TP-replica reduction(s) {bad}; each must be one of {REDUCTIONS}")
 
     def __getitem__(self, key: str) -> Reduction:
         return self._items[key]
@@ -117,6 +187,14 @@ class Plan:
     reshard_after_forward: bool | int | None = None
     dtype_request: DtypeRequest | None = None
     cross_block_requests: tuple[CrossBlockRequest, ...] = ()
+    tensor_parallel: TensorParallel | None = None
+    checkpointing: Checkpointing | None = None
+    prefetch: tuple[Prefetch, ...] = ()
+    # Refinement for context parallelism: a CP rank may not use every
+    # parameter, so units reduce-scatter zeros for unused ones (no hang).
+    reduce_unused_params: bool = False
+    # Module FQN globs of expert modules, sharded over the MoE mesh.
+    expert_modules: tuple[str, ...] = ()
     # Read-only index of the model being planned, shared by the transforms of
     # one fsdptx.plan() call so the model is walked once; plan() drops it
     # before returning. Not part of the Plan's value.
@@ -125,6 +203,7 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
         object.__setattr__(self, "exclusions", tuple(self.exclusions))
+        object.__setattr__(self, "prefetch", tuple(self.prefetch))
         if not isinstance(self.reductions, FrozenReductions):
             object.__setattr__(self, "reductions", FrozenReductions(self.reductions))
 
@@ -139,6 +218,20 @@ class Plan:
 
     def __str__(self) -> str:
         return format_plan(self)
+
+
+def reshards_after_forward(unit: Unit) -> bool:
+    """Whether FSDP2 will free the unit's gathered parameters after forward
+    (and gather them again for backward). ``None`` is FSDP2's default: True,
+    except for the FSDP root (the model root ``""``), which keeps them since
+    backward needs them at once. An int is a group size to reshard to; FSDP2
+    turns ``1`` into False."""
+    r = unit.reshard_after_forward
+    if r is None:
+        return unit.modules != ("",)
+    if isinstance(r, bool):
+        return r
+    return r != 1
 
 
 def _dtype_name(d: torch.dtype | None) -> str:
@@ -178,7 +271,7 @@ def format_plan(plan: Plan) -> str:
                 str(len(u.params)),
                 f"{u.numel:,}",
                 _human_bytes(u.nbytes),
-                "default" if u.reshard_after_forward is None else str(u.reshard_after_forward),
+                _reshard_cell(u),
             )
         )
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
@@ -186,6 +279,10 @@ def format_plan(plan: Plan) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     total = sum(u.nbytes for u in plan.units)
     lines.append(f"{len(plan.units)} units, {_human_bytes(total)} of parameters")
+    if any(u.mesh != "dp" for u in plan.units):
+        moe = [i for i, u in enumerate(plan.units) if u.mesh == "moe"]
+        lines.append(f"sharded over the MoE mesh: units {_ranges(moe)}; all others over the dense mesh")
+    lines.extend(_format_requests(plan))
     if plan.reductions:
         counts = {r: sum(1 for v in plan.reductions.values() if v == r) for r in REDUCTIONS}
         lines.append(
@@ -196,3 +293,63 @@ def format_plan(plan: Plan) -> str:
     if plan.exclusions:
         lines.append("excluded from tp-replica sync: " + ", ".join(plan.exclusions))
     return "\n".join(lines)
+
+
+def _reshard_cell(u: Unit) -> str:
+    r = u.reshard_after_forward
+    if type(r) is int and r > 1:
+        return f"to {r} ranks"
+    return str(reshards_after_forward(u))
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    start = prev = None
+    for i in indices + [None]:  # type: ignore[list-item]
+        if start is not None and (i is None or i != prev + 1):  # type: ignore[operator]
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if i is not None and start is None:
+            start = i
+        prev = i
+    return ", ".join(out)
+
+
+def _collapse(fqns: tuple[str, ...]) -> list[str]:
+    """FQNs grouped by their pattern with indices as ``*``, each with a count."""
+    groups: dict[str, list[str]] = {}
+    for f in fqns:
+        groups.setdefault(re.sub(r"(?<![^.])\d+(?![^.])", "*", f), []).append(f)
+    return [summarize_modules(tuple(g)) if len(g) > 1 else g[0] or "<root>" for g in groups.values()]
+
+
+def _format_requests(plan: Plan) -> list[str]:
+    """The non-FSDP content of the Plan: TP styles, checkpointing, prefetch."""
+    lines: list[str] = []
+    tp = plan.tensor_parallel
+    if tp is not None:
+        by_style: dict[tuple[str, str], list[str]] = {}
+        for a in tp.assignments:
+            by_style.setdefault((re.sub(r"(?<![^.])\d+(?![^.])", "*", a.module), a.style), []).append(a.module)
+        sp = " with sequence parallelism" if tp.sequence_parallel else ""
+        lines.append(f"tensor parallel{sp}: {len(tp.assignments)} modules")
+        width = max((len(k[0]) for k in by_style), default=0)
+        for (pattern, style), mods in by_style.items():
+            count = f" (x{len(mods)})" if len(mods) > 1 else ""
+            lines.append(f"  {pattern.ljust(width)}  {style}{count}")
+        for pattern, style, why in tp.skipped:
+            lines.append(f"  {pattern.ljust(width)}  {style}: not a torch style, {why}")
+    if plan.checkpointing is not None:
+        ac = plan.checkpointing
+        lines.append(f"activation checkpointing ({ac.mode}): " + ", ".join(_collapse(ac.modules)))
+    if plan.prefetch:
+        fwd = max(len(p.forward) for p in plan.prefetch)
+        bwd = max(len(p.backward) for p in plan.prefetch)
+        lines.append(
+            f"explicit prefetch: {len(plan.prefetch)} units, forward depth {fwd}, backward depth {bwd} "
+            f"(e.g. {plan.prefetch[0].unit or '<root>'} -> {', '.join(plan.prefetch[0].forward) or '-'})"
+        )
+    if plan.reduce_unused_params:
+        lines.append("unused parameters: every unit reduce-scatters zeros for them (context parallelism)")
+    return lines

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._plan import Plan, Unit
+from ._plan import Plan, Unit, reshards_after_forward
 
 __all__ = ["UnitTraffic", "step_traffic"]
 
@@ -37,15 +37,6 @@ class UnitTraffic:
     reduce_scatter_bytes: int
 
 
-def _resharded(unit: Unit) -> bool:
-    r = unit.reshard_after_forward
-    if r is None:
-        return unit.modules != ("",)
-    if isinstance(r, bool):
-        return r
-    return r != 1  # FSDP2 treats reshard_after_forward=1 (int) as False
-
-
 def _traffic(unit: Unit) -> UnitTraffic:
     if unit.numel == 0:
         return UnitTraffic(0, 0, 0, 0)
@@ -53,7 +44,7 @@ def _traffic(unit: Unit) -> UnitTraffic:
     policy = unit.mp_policy
     gather_dtype = (policy.param_dtype if policy else None) or storage
     reduce_dtype = (policy.reduce_dtype if policy else None) or gather_dtype
-    gathers = 2 if _resharded(unit) else 1
+    gathers = 2 if reshards_after_forward(unit) else 1
     return UnitTraffic(
         all_gathers=gathers,
         reduce_scatters=1,

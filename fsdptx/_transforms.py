@@ -7,6 +7,7 @@ them touches the model: they read it and return a new Plan.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import re
@@ -16,8 +17,8 @@ from typing import Any, Protocol
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction
-from ._planner import ModelIndex, PlanningError, resolve_units
+from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit
+from ._planner import ModelIndex, PlanningError, _natural, resolve_units
 
 __all__ = [
     "Transform",
@@ -135,7 +136,18 @@ def _resolve(model: nn.Module, p: Plan, index: ModelIndex) -> Plan:
         dtype_request=p.dtype_request,
         index=index,
     )
+    if p.expert_modules:
+        units = tuple(_on_moe_mesh(u, p.expert_modules) for u in units)
     return p.replace(units=units)
+
+
+def _on_moe_mesh(unit: Unit, experts: tuple[str, ...]) -> Unit:
+    """Units inside an expert module shard over the MoE mesh."""
+    inside = [e for e in experts if all(m == e or m.startswith(e + ".") for m in unit.modules)]
+    if not inside:
+        return unit
+    kind = "expert" if unit.modules == (inside[0],) else unit.kind
+    return dataclasses.replace(unit, mesh="moe", kind=kind)
 
 
 def check_reshard(value: object, where: str) -> bool | int | None:
@@ -150,7 +162,7 @@ def check_reshard(value: object, where: str) -> bool | int | None:
     )
 
 
-def _blocks(blocks: Sequence[str] | None, index: ModelIndex, where: str) -> tuple[str, ...]:
+def block_fqns(blocks: Sequence[str] | None, index: ModelIndex, where: str) -> tuple[str, ...]:
     """The target blocks: given, or discovered; never nested in one another
     (a block inside another would be silently absorbed by it)."""
     if blocks is None:
@@ -217,20 +229,22 @@ def _request_dtype(
     fp32_compute_module_names: Collection[str] | None = None,
     ignored_params: Collection[str] = (),
     reshard_after_forward: bool | int | None = None,
+    expert_modules: Collection[str] | None = None,
 ) -> Plan:
     if plan.dtype_request is not None:
         raise PlanningError(
             "shard_by_dtype: the plan already has a dtype request; pass every block to one "
             "shard_by_dtype (blocks=[...]) instead of composing it twice"
         )
-    targets = _blocks(blocks, index, "shard_by_dtype")
+    targets = block_fqns(blocks, index, "shard_by_dtype")
     tokens = (
         _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
         if fp32_compute_module_names is not None
         else _tuple_of_str(getattr(model, "_keep_in_fp32_modules_strict", None), "_keep_in_fp32_modules_strict")
     )
+    experts = _experts(model, index, expert_modules)
     request = DtypeRequest(
-        targets=tuple(t for t in targets if t) + ("",),
+        targets=experts + tuple(t for t in targets if t) + ("",),
         fp32_compute_module_names=tokens,
         ignored_params=_tuple_of_str(ignored_params, "ignored_params"),
         reshard_after_forward=check_reshard(
@@ -238,7 +252,29 @@ def _request_dtype(
             "shard_by_dtype",
         ),
     )
-    return plan.replace(dtype_request=request)
+    exclusions = plan.exclusions + tuple(e for e in experts if e not in plan.exclusions)
+    return plan.replace(dtype_request=request, expert_modules=experts, exclusions=exclusions)
+
+
+def _experts(model: nn.Module, index: ModelIndex, globs: Collection[str] | None) -> tuple[str, ...]:
+    """Expert module FQNs from globs (one dotted segment per ``*``), or the
+    model's ``_fsdptx_expert_modules``; planned before their blocks, so each
+    is a unit of its own on the MoE mesh, and kept out of TP-replica sync
+    (expert shards differ between ranks by design)."""
+    from .tp._transform import segment_match  # local: fsdptx.tp imports this module
+
+    patterns = (
+        _tuple_of_str(globs, "expert_modules")
+        if globs is not None
+        else _tuple_of_str(getattr(model, "_fsdptx_expert_modules", None), "_fsdptx_expert_modules")
+    )
+    found: list[str] = []
+    for g in patterns:
+        matched = [f for f in index.modules if f and segment_match(g, f)]
+        if not matched:
+            raise PlanningError(f"shard_by_dtype: expert module glob {g!r} matches no module of the model")
+        found.extend(f for f in matched if f not in found)
+    return tuple(sorted(found, key=_natural))
 
 
 def shard_by_dtype(
@@ -250,6 +286,7 @@ def shard_by_dtype(
     fp32_compute_module_names: Collection[str] | None = None,
     ignored_params: Collection[str] = (),
     reshard_after_forward: bool | int | None = None,
+    expert_modules: Collection[str] | None = None,
 ) -> Plan:
     """Plan dtype-uniform FSDP units for every block, then the root.
 
@@ -262,7 +299,9 @@ def shard_by_dtype(
     largest ``nn.ModuleList``), pinned fp32 name tokens from
     ``_keep_in_fp32_modules_strict``. ``ignored_params`` are parameter FQNs no
     unit may own (another parallelism owns them). ``reshard_after_forward``
-    falls back to the Plan's default.
+    falls back to the Plan's default. ``expert_modules`` (globs; default
+    ``_fsdptx_expert_modules``) are planned first, each on the MoE mesh, and
+    excluded from TP-replica sync.
     """
     index = model_index(model, plan)
     requested = _request_dtype(
@@ -273,6 +312,7 @@ def shard_by_dtype(
         fp32_compute_module_names=fp32_compute_module_names,
         ignored_params=ignored_params,
         reshard_after_forward=reshard_after_forward,
+        expert_modules=expert_modules,
     )
     return _resolve(model, requested, index)
 
@@ -292,7 +332,7 @@ def _request_cross_blocks(
     )
     if not names:
         return plan
-    targets = _blocks(blocks, index, "shard_across_blocks")
+    targets = block_fqns(blocks, index, "shard_across_blocks")
     if not targets:
         raise PlanningError(
             f"shard_across_blocks: found no blocks in {type(model).__name__} for {list(names)}; "
@@ -400,3 +440,15 @@ def mark_reduction(
 
 
 _UNIT_BLIND.add(mark_reduction)
+
+
+def _register_unit_blind() -> None:
+    """Transforms that only record requests (TP styles, checkpointing) do
+    not interrupt a fused run of sharding transforms."""
+    from ._refine import checkpoint_activations
+    from .tp._transform import tensor_parallel
+
+    _UNIT_BLIND.update((checkpoint_activations, tensor_parallel))
+
+
+_register_unit_blind()

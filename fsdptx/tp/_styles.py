@@ -1,0 +1,144 @@
+"""Tensor-parallel style names and their torch equivalents.
+
+Hugging Face models declare TP plans as ``{module glob: style name}``; fsdptx
+applies them with torch's own ``parallelize_module`` and styles, so every TP
+module is torch's. A name maps to a torch ``ParallelStyle`` for the plain
+layout and another for sequence parallelism, where the residual stream
+between blocks is sharded on the sequence dim (``Shard(1)``):
+
+- ``colwise``: the output features are sharded; the input is replicated.
+  Under SP the input arrives as ``Shard(1)``; the all-gather happens once at
+  the enclosing module's boundary (see :class:`GatherSequence`), not once per
+  projection, and so that a module that reshapes by its input's sequence
+  length (Hugging Face attention) sees the whole sequence.
+- ``rowwise``: the input features are sharded and the partial outputs are
+  all-reduced; under SP they are reduce-scattered onto the sequence instead.
+- ``colwise_rep``: colwise whose output is gathered (a replicated LM head).
+- ``rowwise_rep``: rowwise whose input arrives replicated and is sharded here.
+- ``embedding_rowwise`` / ``rowwise`` on an embedding: vocabulary-sharded
+  lookup, partial outputs all-reduced (under SP reduce-scattered).
+- ``sequence_parallel``: a norm run on the local sequence shard; its weight
+  is a replicated DTensor, so DTensor sums its partial gradients.
+- ``replicated_with_grad_allreduce``: not a torch style. The module stays a
+  plain replica on every TP rank but sees only the rank's share of the work
+  (q/k norms over the local heads), so its gradient is a partial sum: it
+  becomes a TP-replica ``sum`` mark, reduced by
+  :func:`fsdptx.synchronize_tp_replica_gradients`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = [
+    "GatherSequence",
+    "REPLICA_SUM_STYLES",
+    "STYLE_NAMES",
+    "describe_style",
+    "style_for",
+]
+
+SEQ = Shard(1)
+
+# name -> (plain factory, sequence-parallel factory)
+_FACTORIES: dict[str, tuple[Callable[[], ParallelStyle], Callable[[], ParallelStyle]]] = {
+    "colwise": (ColwiseParallel, ColwiseParallel),
+    "rowwise": (RowwiseParallel, lambda: RowwiseParallel(output_layouts=SEQ)),
+    "colwise_rep": (
+        lambda: ColwiseParallel(output_layouts=Replicate()),
+        lambda: ColwiseParallel(input_layouts=SEQ, output_layouts=Replicate()),
+    ),
+    "rowwise_rep": (
+        lambda: RowwiseParallel(input_layouts=Replicate()),
+        lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=SEQ),
+    ),
+    "embedding_rowwise": (
+        lambda: RowwiseParallel(input_layouts=Replicate()),
+        lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=SEQ),
+    ),
+    "sequence_parallel": (SequenceParallel, SequenceParallel),
+}
+# Style names that are TP-replica reductions, not torch styles.
+REPLICA_SUM_STYLES = frozenset({"replicated_with_grad_allreduce"})
+STYLE_NAMES = tuple(sorted((*_FACTORIES, *REPLICA_SUM_STYLES)))
+
+
+def style_for(name: str, module: nn.Module, sequence_parallel: bool) -> ParallelStyle:
+    """The torch style for ``name`` on ``module``. ``rowwise`` on an
+    embedding takes a replicated input (token ids are never sharded)."""
+    plain, sp = _FACTORIES[name]
+    if name == "rowwise" and isinstance(module, nn.Embedding):
+        plain, sp = _FACTORIES["embedding_rowwise"]
+    return sp() if sequence_parallel else plain()
+
+
+class GatherSequence(ParallelStyle):
+    """Under sequence parallelism, all-gather a module's hidden-states input
+    from ``Shard(1)`` to the full sequence at its boundary.
+
+    Placed on the parent of colwise projections (attention, MLP), so the
+    gather happens once per module rather than once per projection, and the
+    module's own code (which may reshape by the input's sequence length) sees
+    the full sequence. The hidden states are the first positional tensor, or
+    the ``hidden_states`` keyword (how Hugging Face layers call attention).
+    torch's ``PrepareModuleInput`` needs the exact number of positional
+    inputs, which differs between architectures; this style needs none.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            dt = t if isinstance(t, DTensor) else DTensor.from_local(t, device_mesh, (SEQ,), run_check=False)
+            return dt.redistribute(device_mesh, (Replicate(),)).to_local()
+
+        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if args:
+                return (gather(args[0]), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+            raise RuntimeError(
+                f"GatherSequence on {type(_m).__name__}: found neither a positional input nor a "
+                "hidden_states keyword to gather; pass an explicit plan= for this module"
+            )
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return "GatherSequence(Shard(1) -> Replicate)"
+
+
+def shard_sequence_output() -> ParallelStyle:
+    """An embedding outside the TP plan returns the full sequence on every TP
+    rank; under SP the stream after it is ``Shard(1)``: keep the local slice."""
+    return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=SEQ)
+
+
+def describe_style(style: ParallelStyle) -> str:
+    """A short readable description of a torch style, for the Plan."""
+    parts: list[str] = []
+    for attr, label in (("input_layouts", "in"), ("output_layouts", "out")):
+        value = getattr(style, attr, None)
+        if isinstance(value, tuple):
+            value = value[0] if len(value) == 1 else value
+        if value is not None:
+            parts.append(f"{label}={value}")
+    if isinstance(style, SequenceParallel):
+        parts.append(f"seq={style.sequence_sharding[0]}")
+    if isinstance(style, PrepareModuleOutput):
+        parts.append(f"out={style.output_layouts}->{style.desired_output_layouts}")
+    return f"{type(style).__name__}({', '.join(parts)})"

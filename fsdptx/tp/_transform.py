@@ -1,0 +1,250 @@
+"""The ``tensor_parallel`` transform and the checks a TP plan must pass.
+
+Patterns are resolved to concrete module FQNs when planning, so the Plan says
+exactly which module gets which torch style, and ``apply_plan`` hands torch's
+``parallelize_module`` one dict of concrete names. The checks that need the
+TP size (divisibility) are a separate pure function, run by ``apply_plan``
+and by the manager's dry run before anything is mutated.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor import Replicate
+
+from .._plan import Plan, Reduction, TensorParallel, TPAssignment
+from .._planner import ModelIndex, PlanningError
+from ._styles import (
+    REPLICA_SUM_STYLES,
+    SEQ,
+    STYLE_NAMES,
+    GatherSequence,
+    describe_style,
+    shard_sequence_output,
+    style_for,
+)
+
+__all__ = ["check_tensor_parallel", "declared_tp_plan", "segment_match", "tensor_parallel"]
+
+StyleSpec = str | ParallelStyle
+
+
+def segment_match(pattern: str, fqn: str) -> bool:
+    """``layers.*.attn.q_proj`` matches ``layers.3.attn.q_proj``: globs
+    match one dotted segment each, as in torch's ``parallelize_module``
+    (so ``*`` never swallows a whole subtree)."""
+    ps, fs = pattern.split("."), fqn.split(".")
+    return len(ps) == len(fs) and all(fnmatch.fnmatchcase(f, p) for p, f in zip(ps, fs))
+
+
+def declared_tp_plan(model: nn.Module) -> dict[str, StyleSpec]:
+    """The TP plan the model declares: ``_tp_plan`` (module-root-relative
+    globs), or for a Hugging Face model its base and head plans together."""
+    own = getattr(model, "_tp_plan", None)
+    if own is None:
+        return {}
+    if not isinstance(own, Mapping):
+        raise TypeError(f"{type(model).__name__}._tp_plan must be a mapping of module glob -> style, got {type(own).__name__}")
+    return dict(own)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def tensor_parallel(
+    model: nn.Module,
+    current: Plan,
+    /,
+    *,
+    plan: Mapping[str, StyleSpec] | None = None,
+    sequence_parallel: bool = False,
+) -> Plan:
+    """Record which module gets which tensor-parallel style.
+
+    ``plan`` maps module globs (one segment per ``*``) to a torch
+    ``ParallelStyle`` or a Hugging Face style name (``colwise``, ``rowwise``,
+    ``colwise_rep``, ``rowwise_rep``, ``embedding_rowwise``,
+    ``sequence_parallel``, ``replicated_with_grad_allreduce``); by default the
+    model's declared plan (``_tp_plan``, or Hugging Face's
+    ``base_model_tp_plan`` with the head's). Every glob must match a module,
+    and a module may be matched by one glob only.
+
+    ``sequence_parallel=True`` derives the sequence-parallel layout: rowwise
+    outputs are reduce-scattered onto the sequence dim; the parents of
+    colwise projections gather the sequence once at their boundary; the
+    norms of each block and of the backbone run on the local sequence shard
+    (``SequenceParallel``); an input embedding outside the plan keeps its
+    local sequence slice, and an output head outside the plan gathers it.
+    """
+    from .._transforms import model_index  # local: _transforms re-exports this transform
+
+    index = model_index(model, current)
+    declared = dict(plan) if plan is not None else declared_tp_plan(model)
+    if not declared:
+        raise PlanningError(
+            f"tensor_parallel: {type(model).__name__} declares no TP plan (_tp_plan or Hugging Face's "
+            "base_model_tp_plan); pass plan={'layers.*.attn.q_proj': 'colwise', ...}"
+        )
+    assigned: dict[str, TPAssignment] = {}
+    skipped: list[tuple[str, str, str]] = []
+    reductions: dict[str, Reduction] = dict(current.reductions)
+    problems: list[str] = []
+    for pattern, spec in declared.items():
+        if not isinstance(pattern, str):
+            raise TypeError(f"tensor_parallel: plan keys must be module globs (str), got {pattern!r}")
+        if not isinstance(spec, (str, ParallelStyle)):
+            raise TypeError(
+                f"tensor_parallel: style for {pattern!r} must be a torch ParallelStyle or one of "
+                f"{', '.join(STYLE_NAMES)}, got {type(spec).__name__}"
+            )
+        if isinstance(spec, str) and spec not in STYLE_NAMES:
+            problems.append(f"{pattern!r}: unknown style {spec!r}; use one of {', '.join(STYLE_NAMES)} or a torch ParallelStyle")
+            continue
+        matched = [f for f in index.modules if f and segment_match(pattern, f)]
+        if not matched:
+            problems.append(f"{pattern!r} matches no module of {type(model).__name__}")
+            continue
+        if isinstance(spec, str) and spec in REPLICA_SUM_STYLES:
+            for fqn in matched:
+                _mark_sum(index, fqn, reductions, pattern, problems)
+            skipped.append((pattern, spec, "its gradients are summed over TP ranks (TP-replica mark)"))
+            continue
+        if spec == "sequence_parallel" and not sequence_parallel:
+            skipped.append((pattern, spec, "applies only with sequence_parallel=True"))
+            continue
+        for fqn in matched:
+            if fqn in assigned:
+                problems.append(f"module {fqn!r} is matched by both {assigned[fqn].pattern!r} and {pattern!r}")
+                continue
+            module = index.modules[fqn]
+            if isinstance(spec, str):
+                style = style_for(spec, module, sequence_parallel)
+                name = spec
+            else:
+                style, name = spec, describe_style(spec)
+            assigned[fqn] = TPAssignment(fqn, name, pattern, style)
+    if problems:
+        raise PlanningError("tensor_parallel: the TP plan does not fit the model:\n  - " + "\n  - ".join(problems))
+    if sequence_parallel:
+        _add_sequence_boundaries(model, index, assigned)
+    tp = TensorParallel(
+        assignments=tuple(assigned[f] for f in sorted(assigned)),
+        sequence_parallel=sequence_parallel,
+        skipped=tuple(skipped),
+    )
+    return current.replace(tensor_parallel=tp, reductions=reductions)
+
+
+def _mark_sum(index: ModelIndex, fqn: str, out: dict[str, Reduction], pattern: str, problems: list[str]) -> None:
+    params = [p for p in index.modules[fqn]._parameters.values() if p is not None]
+    if not params:
+        problems.append(f"{pattern!r} matches {fqn!r}, which holds no parameter to reduce")
+    for p in params:
+        name = index.param_fqn[id(p)]
+        if out.get(name, "sum") != "sum":
+            problems.append(f"parameter {name!r} is marked {out[name]!r} and, by {pattern!r}, 'sum'")
+        out[name] = "sum"
+
+
+def _add_sequence_boundaries(model: nn.Module, index: ModelIndex, assigned: dict[str, TPAssignment]) -> None:
+    """Styles that sequence parallelism needs where the declared plan says
+    nothing: gathers before colwise projections, norms on the local shard,
+    and the embedding/head boundaries of the sequence-sharded stream."""
+    blocks = set(index.blocks)
+    backbones = {b.rpartition(".")[0].rpartition(".")[0] for b in blocks}
+    for fqn in sorted(assigned):
+        a = assigned[fqn]
+        if isinstance(a.parallel_style, ColwiseParallel) and a.style == "colwise":
+            parent = fqn.rpartition(".")[0]
+            if parent not in assigned and parent not in blocks and parent not in backbones:
+                assigned[parent] = TPAssignment(parent, "gather_sequence (sp)", "<sequence parallel>", GatherSequence())
+    for fqn, module in index.modules.items():
+        parent = fqn.rpartition(".")[0]
+        if fqn and fqn not in assigned and _is_norm(module) and (parent in blocks or parent in backbones):
+            if any(p is not None for p in module._parameters.values()):
+                assigned[fqn] = TPAssignment(fqn, "sequence_parallel (sp)", "<sequence parallel>", style_for("sequence_parallel", module, True))
+    embed = _named_module(model, index, "get_input_embeddings")
+    if embed is not None and embed not in assigned:
+        assigned[embed] = TPAssignment(embed, "shard_sequence_output (sp)", "<sequence parallel>", shard_sequence_output())
+    head = _named_module(model, index, "get_output_embeddings")
+    if head is not None and head not in assigned:
+        gather = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),))
+        assigned[head] = TPAssignment(head, "gather_sequence_input (sp)", "<sequence parallel>", gather)
+
+
+def _named_module(model: nn.Module, index: ModelIndex, getter: str) -> str | None:
+    """The FQN of the module a Hugging Face style getter returns; for other
+    models the embedding / head found by convention (the only ``nn.Embedding``
+    outside the blocks; a root ``lm_head``)."""
+    fn = getattr(model, getter, None)
+    if callable(fn):
+        try:
+            found = fn()
+        except (NotImplementedError, AttributeError):
+            found = None
+        if isinstance(found, nn.Module):
+            return index.fqn_of_module.get(id(found))
+    if getter == "get_output_embeddings":
+        return "lm_head" if isinstance(index.modules.get("lm_head"), nn.Linear) else None
+    blocks = index.blocks
+    embeds = [
+        f for f, m in index.modules.items()
+        if isinstance(m, nn.Embedding) and not any(f.startswith(b + ".") for b in blocks)
+    ]
+    return embeds[0] if len(embeds) == 1 else None
+
+
+_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
+
+
+def check_tensor_parallel(tp: TensorParallel, model: nn.Module, tp_size: int) -> list[str]:
+    """Problems that make the TP plan unappliable at ``tp_size``: a torch
+    colwise/rowwise style on a module it cannot shard, a sharded dim or a
+    declared head count not divisible by the TP size, a module that no
+    longer exists. Pure; empty when it fits."""
+    problems: list[str] = []
+    modules = dict(model.named_modules())
+    for a in tp.assignments:
+        module = modules.get(a.module)
+        if module is None:
+            problems.append(f"TP module {a.module!r} does not exist in {type(model).__name__}")
+            continue
+        style = a.parallel_style
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            problems.append(
+                f"{a.module!r} ({type(module).__name__}) gets {a.style}, which torch applies only to "
+                "nn.Linear and nn.Embedding; give it another style or leave it out of the TP plan"
+            )
+            continue
+        dim, what = _sharded_dim(module, isinstance(style, ColwiseParallel))
+        if dim % tp_size:
+            problems.append(f"{a.module!r}: {what}={dim} is not divisible by tp={tp_size} ({a.style})")
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None)):
+        for key in _HEAD_COUNTS:
+            value = getattr(cfg, key, None) if cfg is not None else None
+            if isinstance(value, int) and value % tp_size:
+                problems.append(f"config.{key}={value} is not divisible by tp={tp_size}")
+    return problems
+
+
+def _sharded_dim(module: nn.Module, colwise: bool) -> tuple[int, str]:
+    if isinstance(module, nn.Embedding):
+        # Colwise shards the embedding dim; rowwise the vocabulary.
+        return (module.embedding_dim, "embedding_dim") if colwise else (module.num_embeddings, "num_embeddings")
+    assert isinstance(module, nn.Linear)
+    return (module.out_features, "out_features") if colwise else (module.in_features, "in_features")
+
+
+def tp_styles_by_module(tp: TensorParallel) -> dict[str, Any]:
+    """The dict ``parallelize_module`` takes: concrete FQN -> torch style."""
+    return {a.module: a.parallel_style for a in tp.assignments}
+
