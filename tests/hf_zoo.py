@@ -27,7 +27,7 @@ HIDDEN = 64
 LAYERS = 2
 # Training recipes keep SSM / gated-delta decay parameters and attention sinks
 # in fp32 although the shipped checkpoints store them in bf16.
-SSM_FP32 = ("A_log", "D", "dt_bias")
+SSM_FP32 = ("mixer.A_log", "mixer.D", "mixer.dt_bias")
 
 _DENSE = dict(
     vocab_size=VOCAB,
