@@ -29,6 +29,46 @@ Facts about ``transformers`` 5.24 these readers rely on:
   Transformers 4.x used a list of target names with an implicit source.
 * ``_no_split_modules``: class names of blocks that must stay whole (read by
   :func:`fsdptx.discover_blocks`).
+* Packed sequences: ``transformers.modeling_flash_attention_utils.
+  _is_packed_sequence(position_ids, batch_size)`` is looked up as a module
+  global by ``_flash_attention_forward`` only, so patching that module
+  attribute reaches every caller.
+
+HF style names (``transformers.distributed.tensor_parallel``) and the torch
+``parallelize_module`` style that does the same, where one exists:
+
+==============================  ==============================================  ==========================================
+style                           HF behaviour                                    torch equivalent
+==============================  ==============================================  ==========================================
+colwise                         weight/bias Shard(0); in Replicate, out         ColwiseParallel()
+                                Shard(-1), local
+colwise_gather_output,          as colwise, output all-gathered to Replicate    ColwiseParallel(output_layouts=Replicate())
+colwise_rep
+rowwise                         weight Shard(1), bias Replicate; in Shard(-1),  RowwiseParallel()
+                                out Partial -> all-reduce Replicate, local
+rowwise_split_input,            as rowwise, input Replicate sliced locally      RowwiseParallel(input_layouts=Replicate())
+rowwise_rep
+embedding_rowwise               vocab Shard(0), partial lookups all-reduced     RowwiseParallel(input_layouts=Replicate())
+embedding_colwise               hidden Shard(1), slices gathered                ColwiseParallel(output_layouts=Replicate())
+sequence_parallel               params Replicate DTensor, input Shard(1)        SequenceParallel()
+all_reduce                      output Partial -> Replicate (sum)               PrepareModuleOutput(Partial -> Replicate)
+replicated_with_grad_allreduce  plain replicated params, grads SUM all-reduced  none: fsdptx "sum" reduction mark
+                                by a post-accumulate hook
+packed_colwise                  fused gate|up, _StridedShard(split_factor=2)    none
+packed_rowwise                  param only, _StridedShard(-1, split_factor=2)   none
+moe_tp_experts                  local; input grads and routing-weight grads     none
+                                SUM all-reduced, output SUM all-reduced
+mla_kv_a_proj                   rope slice of the output: grad SUM all-reduced  none
+moe_identity_expert             input divided by tp size                        none
+local_params                    forward on the local shards of own params       none
+replicate                       no-op: every rank keeps the full parameter      leave out of the plan
+grouped_gemm (EP)               experts Shard(0) on the EP mesh                 none (expert parallelism)
+ep_dispatch_experts (EP)        whole experts per rank, token dispatch          none (expert parallelism)
+==============================  ==============================================  ==========================================
+
+Dense-MLP rules of MoE models (``model.layers.*.mlp.gate_proj`` in Qwen3-MoE,
+Qwen3-Next) match nothing unless ``mlp_only_layers`` is set: a consumer must
+treat a rule that matches nothing as unused, as HF does (it warns).
 """
 
 from __future__ import annotations
