@@ -22,8 +22,9 @@ from ._imperative import (
     reject_unsupported_mtp_cp_pp,
 )
 from ._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduction
-from ._plan import Plan, Reduction, Unit
+from ._plan import Checkpointing, Plan, Prefetch, Reduction, TensorParallel, TPAssignment, Unit
 from ._planner import PlanningError
+from ._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
 from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
 from ._tp_replicas import (
     broadcast_tp_replicas,
@@ -38,6 +39,8 @@ from ._transforms import (
     shard_across_blocks,
     shard_by_dtype,
 )
+from .manager import FSDP2Config, FSDP2Manager, gradient_sync_context, patch_is_packed_sequence
+from .tp import tensor_parallel
 from ._tree import (
     get_module_from_path,
     iter_maximal_uniform_dtype_subtrees,
@@ -46,7 +49,20 @@ from ._tree import (
 )
 
 __all__ = [
+    "Checkpointing",
     "DEFAULT_MAX_BUFFER_BYTES",
+    "FSDP2Config",
+    "FSDP2Manager",
+    "Prefetch",
+    "TPAssignment",
+    "TensorParallel",
+    "checkpoint_activations",
+    "gradient_sync_context",
+    "patch_is_packed_sequence",
+    "prefetch",
+    "reduce_unused_params",
+    "reshard_policy",
+    "tensor_parallel",
     "Plan",
     "PlanMismatchError",
     "PlanningError",

@@ -117,6 +117,19 @@ class Decoder(nn.Module):
             self._keep_in_fp32_modules_strict = ["sinks"]
             self._fsdp_shard_across_blocks = ["sinks"]
         self._tp_replica_reductions = {"layers.*.attn_norm": "mean", "layers.*.mlp_norm": "mean", "norm": "mean"}
+        # Hugging Face's style names; under sequence parallelism the
+        # tensor_parallel transform derives the norms and boundaries itself.
+        self._tp_plan = {
+            "embed_tokens": "embedding_rowwise",
+            "layers.*.attn.q_proj": "colwise",
+            "layers.*.attn.k_proj": "colwise",
+            "layers.*.attn.v_proj": "colwise",
+            "layers.*.attn.o_proj": "rowwise",
+            "layers.*.mlp.gate_proj": "colwise",
+            "layers.*.mlp.up_proj": "colwise",
+            "layers.*.mlp.down_proj": "rowwise",
+            "lm_head": "colwise_rep",
+        }
         if cfg.sibling_dtype is not None:
             self._tp_replica_reductions["layers.*.gate"] = "sum"
 

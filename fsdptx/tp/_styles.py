@@ -13,8 +13,11 @@ between blocks is sharded on the sequence dim (``Shard(1)``):
   length (Hugging Face attention) sees the whole sequence.
 - ``rowwise``: the input features are sharded and the partial outputs are
   all-reduced; under SP they are reduce-scattered onto the sequence instead.
-- ``colwise_rep``: colwise whose output is gathered (a replicated LM head).
-- ``rowwise_rep``: rowwise whose input arrives replicated and is sharded here.
+- ``colwise_rep`` (``colwise_gather_output``): colwise whose output is
+  gathered (a replicated LM head).
+- ``rowwise_rep`` (``rowwise_split_input``): rowwise whose input arrives
+  replicated and is sliced here.
+- ``embedding_colwise``: the embedding dim is sharded and gathered.
 - ``embedding_rowwise`` / ``rowwise`` on an embedding: vocabulary-sharded
   lookup, partial outputs all-reduced (under SP reduce-scattered).
 - ``sequence_parallel``: a norm run on the local sequence shard; its weight
@@ -46,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 __all__ = [
     "GatherSequence",
     "REPLICA_SUM_STYLES",
+    "UNSUPPORTED_STYLES",
     "STYLE_NAMES",
     "describe_style",
     "style_for",
@@ -69,10 +73,41 @@ _FACTORIES: dict[str, tuple[Callable[[], ParallelStyle], Callable[[], ParallelSt
         lambda: RowwiseParallel(input_layouts=Replicate()),
         lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=SEQ),
     ),
+    "embedding_colwise": (
+        lambda: ColwiseParallel(output_layouts=Replicate()),
+        lambda: ColwiseParallel(output_layouts=SEQ),
+    ),
     "sequence_parallel": (SequenceParallel, SequenceParallel),
 }
+# Hugging Face 5.x spellings of the same layouts.
+_FACTORIES["colwise_gather_output"] = _FACTORIES["colwise_rep"]
+_FACTORIES["rowwise_split_input"] = _FACTORIES["rowwise_rep"]
 # Style names that are TP-replica reductions, not torch styles.
 REPLICA_SUM_STYLES = frozenset({"replicated_with_grad_allreduce"})
+# Hugging Face style names with no torch equivalent (fused or packed weights,
+# expert kernels working on local shards, expert-parallel dispatch) or that
+# do nothing ("replicate"). A declared plan leaves those modules whole on
+# every TP rank, where they compute redundantly and their gradients are
+# TP-replica means; an explicit plan naming one is an error.
+UNSUPPORTED_STYLES = frozenset(
+    {
+        "packed_colwise",
+        "packed_rowwise",
+        "moe_tp_experts",
+        "mla_kv_a_proj",
+        "moe_identity_expert",
+        "local_params",
+        "grouped_gemm",
+        "ep_dispatch_experts",
+        "all_reduce",
+        "replicate",
+        "local_colwise",
+        "local_rowwise",
+        "local",
+        "gather",
+        "ep_router",
+    }
+)
 STYLE_NAMES = tuple(sorted((*_FACTORIES, *REPLICA_SUM_STYLES)))
 
 

@@ -21,6 +21,7 @@ from .._plan import Plan, Reduction, TensorParallel, TPAssignment
 from .._planner import ModelIndex, PlanningError
 from ._styles import (
     REPLICA_SUM_STYLES,
+    UNSUPPORTED_STYLES,
     SEQ,
     STYLE_NAMES,
     GatherSequence,
@@ -45,6 +46,11 @@ def segment_match(pattern: str, fqn: str) -> bool:
 def declared_tp_plan(model: nn.Module) -> dict[str, StyleSpec]:
     """The TP plan the model declares: ``_tp_plan`` (module-root-relative
     globs), or for a Hugging Face model its base and head plans together."""
+    from ..hf import hf_tp_plan  # reads attributes only; never imports transformers
+
+    found = hf_tp_plan(model)
+    if found:
+        return dict(found)
     own = getattr(model, "_tp_plan", None)
     if own is None:
         return {}
@@ -72,8 +78,12 @@ def tensor_parallel(
     ``colwise_rep``, ``rowwise_rep``, ``embedding_rowwise``,
     ``sequence_parallel``, ``replicated_with_grad_allreduce``); by default the
     model's declared plan (``_tp_plan``, or Hugging Face's
-    ``base_model_tp_plan`` with the head's). Every glob must match a module,
-    and a module may be matched by one glob only.
+    ``base_model_tp_plan`` with the head's). Every glob of an explicit plan
+    must match a module; a declared plan's entries that match no module or
+    name a style torch has no equivalent for are skipped, and the Plan shows
+    them. A module may be matched by one glob only. An empty plan is valid:
+    every parameter is then a replica on each TP rank, kept equal by
+    :func:`fsdptx.synchronize_tp_replica_gradients`.
 
     ``sequence_parallel=True`` derives the sequence-parallel layout: rowwise
     outputs are reduce-scattered onto the sequence dim; the parents of
@@ -85,12 +95,8 @@ def tensor_parallel(
     from .._transforms import model_index  # local: _transforms re-exports this transform
 
     index = model_index(model, current)
+    explicit = plan is not None
     declared = dict(plan) if plan is not None else declared_tp_plan(model)
-    if not declared:
-        raise PlanningError(
-            f"tensor_parallel: {type(model).__name__} declares no TP plan (_tp_plan or Hugging Face's "
-            "base_model_tp_plan); pass plan={'layers.*.attn.q_proj': 'colwise', ...}"
-        )
     assigned: dict[str, TPAssignment] = {}
     skipped: list[tuple[str, str, str]] = []
     reductions: dict[str, Reduction] = dict(current.reductions)
@@ -103,12 +109,18 @@ def tensor_parallel(
                 f"tensor_parallel: style for {pattern!r} must be a torch ParallelStyle or one of "
                 f"{', '.join(STYLE_NAMES)}, got {type(spec).__name__}"
             )
+        if isinstance(spec, str) and spec in UNSUPPORTED_STYLES and not explicit:
+            skipped.append((pattern, spec, "no torch equivalent: left whole on every TP rank"))
+            continue
         if isinstance(spec, str) and spec not in STYLE_NAMES:
             problems.append(f"{pattern!r}: unknown style {spec!r}; use one of {', '.join(STYLE_NAMES)} or a torch ParallelStyle")
             continue
         matched = [f for f in index.modules if f and segment_match(pattern, f)]
         if not matched:
-            problems.append(f"{pattern!r} matches no module of {type(model).__name__}")
+            if explicit:
+                problems.append(f"{pattern!r} matches no module of {type(model).__name__}")
+            else:  # Hugging Face plans also name parameters and layers a config may not build
+                skipped.append((pattern, spec if isinstance(spec, str) else describe_style(spec), "matches no module"))
             continue
         if isinstance(spec, str) and spec in REPLICA_SUM_STYLES:
             for fqn in matched:

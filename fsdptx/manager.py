@@ -1,0 +1,327 @@
+"""``FSDP2Config`` and ``FSDP2Manager``: from a model and a mesh to a
+tensor-parallel, sequence-parallel, checkpointed, prefetching FSDP2 model.
+
+The manager is a pipeline of transforms plus :func:`fsdptx.apply_plan`,
+nothing else: ``manager.plan(model)`` is the pure dry run and
+``manager.parallelize(model)`` applies exactly that Plan, so what a job will
+do can be printed, diffed and tested before any rank touches a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ._apply import apply_plan
+from ._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
+from ._meshes import ParallelDims, parallel_dims, tp_mesh
+from ._plan import Plan
+from ._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
+from ._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
+from .tp import check_tensor_parallel, tensor_parallel
+
+__all__ = ["FSDP2Config", "FSDP2Manager", "gradient_sync_context", "patch_is_packed_sequence"]
+
+logger = logging.getLogger(__name__)
+
+CheckpointSetting = bool | Literal["full", "selective"]
+
+_BF16_POLICY = MixedPrecisionPolicy(
+    param_dtype=torch.bfloat16,
+    reduce_dtype=torch.float32,
+    output_dtype=torch.bfloat16,
+    cast_forward_inputs=True,
+)
+
+
+@dataclass(frozen=True)
+class FSDP2Config:
+    """Settings of :class:`FSDP2Manager`, with the reference's defaults.
+
+    ``mp_policy=None`` means mixed precision disabled: every unit computes
+    in its storage dtype. (The reference silently substitutes a bf16 policy
+    for ``None``; fsdptx does not, so fp32 parity runs are possible.) The
+    default is bf16 compute, fp32 gradient reduction, bf16 output.
+
+    ``activation_checkpointing``: ``False``, ``True`` (same as ``"full"``),
+    ``"full"`` or ``"selective"``. ``reshard_after_forward=None`` lets the
+    reshard policy decide (blocks but the last reshard, the root never,
+    nothing under pipeline parallelism). Prefetch depths are how many
+    blocks ahead each block all-gathers. Invalid values fail here, naming
+    the field, so a typo in a launcher fails before any process group work.
+    """
+
+    sequence_parallel: bool = False
+    tp_plan: Mapping[str, str | ParallelStyle] | None = None
+    patch_is_packed_sequence: bool = False
+    mp_policy: MixedPrecisionPolicy | None = field(default_factory=lambda: _BF16_POLICY)
+    offload_policy: OffloadPolicy | None = None
+    activation_checkpointing: CheckpointSetting = False
+    defer_fsdp_grad_sync: bool = True
+    reshard_after_forward: bool | int | None = None
+    enable_async_tensor_parallel: bool = False
+    enable_compile: bool = False
+    enable_fsdp2_prefetch: bool = True
+    fsdp2_backward_prefetch_depth: int = 2
+    fsdp2_forward_prefetch_depth: int = 1
+    expert_modules: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "sequence_parallel",
+            "patch_is_packed_sequence",
+            "defer_fsdp_grad_sync",
+            "enable_async_tensor_parallel",
+            "enable_compile",
+            "enable_fsdp2_prefetch",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"FSDP2Config.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("fsdp2_backward_prefetch_depth", "fsdp2_forward_prefetch_depth"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"FSDP2Config.{name} must be a non-negative int, got {value!r}")
+        ac = self.activation_checkpointing
+        if not (isinstance(ac, bool) or ac in ("full", "selective")):
+            raise ValueError(
+                f"FSDP2Config.activation_checkpointing must be False, True, 'full' or 'selective', got {ac!r}"
+            )
+        if self.enable_async_tensor_parallel and not self.sequence_parallel:
+            raise ValueError(
+                "FSDP2Config.enable_async_tensor_parallel needs sequence_parallel=True: async TP overlaps "
+                "the sequence all-gather / reduce-scatter with the matmuls next to them"
+            )
+        if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
+            raise TypeError(f"FSDP2Config.mp_policy must be a MixedPrecisionPolicy or None, got {self.mp_policy!r}")
+        if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
+            raise TypeError(f"FSDP2Config.offload_policy must be an OffloadPolicy or None, got {self.offload_policy!r}")
+        r = self.reshard_after_forward
+        if not (r is None or isinstance(r, bool) or (type(r) is int and r >= 1)):
+            raise ValueError(f"FSDP2Config.reshard_after_forward must be None, a bool or an int >= 1, got {r!r}")
+        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
+            raise TypeError(f"FSDP2Config.tp_plan must be a mapping of module glob -> style, got {self.tp_plan!r}")
+        if isinstance(self.expert_modules, str):
+            raise TypeError("FSDP2Config.expert_modules must be a tuple of globs, not one string")
+
+    @property
+    def checkpoint_mode(self) -> Literal["full", "selective"] | None:
+        ac = self.activation_checkpointing
+        return None if ac is False else ("full" if ac is True else ac)
+
+
+class FSDP2Manager:
+    """Parallelize a model over ``device_mesh`` as ``config`` says.
+
+    ``device_mesh`` is read by dim names (``dp_replicate``, ``dp_shard`` or
+    ``dp``, ``cp``, ``tp``, ``pp``); ``moe_mesh``, when given, shards the
+    expert modules (``config.expert_modules``, or what the model declares)
+    over its data-parallel dims. :meth:`plan` is the pure dry run;
+    :meth:`parallelize` applies exactly that Plan.
+    """
+
+    def __init__(self, config: FSDP2Config, device_mesh: DeviceMesh, moe_mesh: DeviceMesh | None = None) -> None:
+        if not isinstance(config, FSDP2Config):
+            raise TypeError(f"FSDP2Manager: config must be an FSDP2Config, got {type(config).__name__}")
+        self.config = config
+        self.device_mesh = device_mesh
+        self.moe_mesh = moe_mesh
+        self.dims: ParallelDims = parallel_dims(device_mesh)
+        if config.sequence_parallel and self.dims.tp == 1:
+            logger.info("FSDP2Manager: sequence_parallel has no effect without a tp dim of size > 1")
+        # The reference's attributes, for code that reads them off the manager.
+        self.sequence_parallel = config.sequence_parallel
+        self.tp_plan = config.tp_plan
+        self.mp_policy = config.mp_policy
+        self.offload_policy = config.offload_policy
+        self.activation_checkpointing = config.activation_checkpointing
+        self.defer_fsdp_grad_sync = config.defer_fsdp_grad_sync
+        self.reshard_after_forward = config.reshard_after_forward
+        self.enable_async_tensor_parallel = config.enable_async_tensor_parallel
+        self.enable_compile = config.enable_compile
+        self.enable_fsdp2_prefetch = config.enable_fsdp2_prefetch
+        self.fsdp2_backward_prefetch_depth = config.fsdp2_backward_prefetch_depth
+        self.fsdp2_forward_prefetch_depth = config.fsdp2_forward_prefetch_depth
+
+    def pipeline(self, model: nn.Module) -> Transform:
+        """The transforms this manager runs, configured from the config and
+        the mesh: TP, checkpointing, dtype and cross-block units, reduction
+        marks, reshard policy, prefetch (each only where it applies)."""
+        cfg, dims = self.config, self.dims
+        steps: list[Transform] = []
+        if dims.tp > 1:
+            steps.append(functools.partial(tensor_parallel, plan=cfg.tp_plan, sequence_parallel=cfg.sequence_parallel))
+        if cfg.checkpoint_mode is not None:
+            steps.append(functools.partial(checkpoint_activations, mode=cfg.checkpoint_mode))
+        if dims.sharding_enabled:
+            steps += [
+                functools.partial(shard_by_dtype, expert_modules=self._expert_modules(model)),
+                shard_across_blocks,
+            ]
+        steps.append(mark_reduction)
+        if dims.sharding_enabled:
+            steps.append(functools.partial(reshard_policy, pipeline_parallel=dims.pp > 1))
+            if cfg.enable_fsdp2_prefetch:
+                steps.append(
+                    functools.partial(
+                        prefetch,
+                        forward_depth=cfg.fsdp2_forward_prefetch_depth,
+                        backward_depth=cfg.fsdp2_backward_prefetch_depth,
+                    )
+                )
+            if dims.cp > 1:
+                steps.append(reduce_unused_params)
+        return compose(*steps)
+
+    def _expert_modules(self, model: nn.Module) -> tuple[str, ...]:
+        """Experts get units of their own only when there is a MoE mesh for
+        them; otherwise they are part of their blocks' units."""
+        if self.moe_mesh is None:
+            return ()
+        if self.config.expert_modules is not None:
+            return tuple(self.config.expert_modules)
+        from .hf import hf_expert_modules
+
+        declared = getattr(model, "_fsdptx_expert_modules", None)
+        return tuple(declared) if declared else hf_expert_modules(model)
+
+    def plan(self, model: nn.Module) -> Plan:
+        """The Plan :meth:`parallelize` will apply; pure, safe on a meta model.
+
+        Also checks what needs the mesh (TP divisibility, the MTP guards under
+        context parallelism), so a dry run fails where the real run would.
+        """
+        if self.dims.cp > 1:
+            reject_unsupported_mtp_cp(model)
+            reject_unsupported_mtp_cp_pp(model, self.dims.pp)
+        result = plan(
+            model,
+            self.pipeline(model),
+            mp_policy=self.config.mp_policy,
+            offload_policy=self.config.offload_policy,
+            reshard_after_forward=self.config.reshard_after_forward,
+        )
+        if result.tensor_parallel is not None:
+            problems = check_tensor_parallel(result.tensor_parallel, model, self.dims.tp)
+            if problems:
+                raise ValueError("FSDP2Manager: the TP plan does not fit tp=%d:\n  - %s" % (self.dims.tp, "\n  - ".join(problems)))
+        return result
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Apply :meth:`plan` to ``model`` with :func:`fsdptx.apply_plan`
+        (everything validated before anything is mutated); returns ``model``."""
+        result = apply_plan(self.plan(model), model, self.device_mesh, moe_mesh=self.moe_mesh)
+        if self.config.patch_is_packed_sequence:
+            patch_is_packed_sequence()
+        return result
+
+    def maybe_compile(self, model: nn.Module) -> nn.Module:
+        """Compile each block in place after sharding, when ``enable_compile``
+        (or async TP with tp > 1) asks for it; returns ``model``.
+
+        In-place ``nn.Module.compile`` keeps FQNs and the FSDP hooks; compiling
+        per block (not the whole model) keeps graphs small and lets FSDP's
+        per-block collectives overlap with compute. Async TP turns on
+        inductor's micro-pipelined TP and symmetric memory for the TP group
+        where torch supports it (CUDA), and logs where it cannot.
+        """
+        async_tp = self.config.enable_async_tensor_parallel and self.dims.tp > 1
+        if async_tp:
+            _enable_async_tp(self.device_mesh)
+        if not (self.config.enable_compile or async_tp):
+            return model
+        for fqn in _compile_targets(model, self.plan_blocks(model)):
+            model.get_submodule(fqn).compile()
+        return model
+
+    def plan_blocks(self, model: nn.Module) -> tuple[str, ...]:
+        """The block FQNs the manager treats as units (for compile)."""
+        from ._planner import ModelIndex
+
+        return ModelIndex.build(model).blocks
+
+
+def _compile_targets(model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:
+    return blocks if blocks else ("",)
+
+
+def _enable_async_tp(mesh: DeviceMesh) -> None:
+    group = tp_mesh(mesh)
+    torch._inductor.config._micro_pipeline_tp = True  # type: ignore[attr-defined]
+    if group is None:
+        return
+    try:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        if mesh.device_type != "cuda":
+            raise RuntimeError(f"symmetric memory needs CUDA, the mesh is on {mesh.device_type}")
+        enable_symm_mem_for_group(group.get_group().group_name)
+    except (ImportError, RuntimeError) as e:
+        logger.warning("async tensor parallel: symmetric memory not enabled for the TP group (%s)", e)
+
+
+@contextlib.contextmanager
+def gradient_sync_context(model: nn.Module, is_optimizer_step: bool, *, defer: bool = True) -> Iterator[None]:
+    """Run one micro-batch's backward inside this context.
+
+    With ``defer``, FSDP reduce-scatters gradients only on the micro-batch
+    that ends the optimizer step (``is_optimizer_step=True``); the others
+    accumulate unsharded gradients locally, so N micro-batches cost one
+    reduce-scatter per unit instead of N. Without ``defer`` every micro-batch
+    reduces (less memory, more communication). A model with no FSDP unit is
+    left alone.
+    """
+    roots = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not defer or not roots:
+        yield
+        return
+    for m in roots:
+        m.set_requires_gradient_sync(is_optimizer_step, recurse=False)
+    try:
+        yield
+    finally:
+        for m in roots:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+_PATCHED = "_fsdptx_unpacked"
+
+
+def patch_is_packed_sequence() -> bool:
+    """Make ``transformers``' packed-sequence check return ``False`` at once.
+
+    That check returns a device tensor when the batch size is 1, and Python's
+    ``if`` on it synchronizes the CPU with the GPU, once per attention layer
+    and forward (hundreds of times per step with TP and checkpointing). For
+    ordinary training, where no sequence is packed, ``False`` is the right
+    answer. Do NOT use this for packed-sequence training (several sequences
+    concatenated in one row, ``position_ids`` restarting at 0): their
+    attention would then cross sequence boundaries.
+
+    Idempotent; returns whether the check is patched (False without
+    ``transformers``, where there is nothing to patch).
+    """
+    try:
+        from transformers import modeling_flash_attention_utils as fa
+    except ImportError:
+        return False
+    if getattr(fa._is_packed_sequence, _PATCHED, False):
+        return True
+
+    def _not_packed(position_ids: object, batch_size: object) -> bool:
+        del position_ids, batch_size
+        return False
+
+    setattr(_not_packed, _PATCHED, True)
+    fa._is_packed_sequence = _not_packed
+    return True
+
