@@ -21,10 +21,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_tp_sync_torchrun_example_keeps_replicas_identical() -> None:
-    """Two torchrun ranks train with TP-replica gradient sync and end with
-    bit-identical replicated parameters (the example checks it itself and
-    exits non-zero otherwise)."""
+def _torchrun(script: str, nproc: int) -> str:
+    """Run an example under torchrun on CPU; return its output, failing the
+    test with that output when it exits non-zero."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if sys.platform.startswith("linux"):
         # gloo binds to the address the hostname resolves to, which in
@@ -35,14 +34,32 @@ def test_tp_sync_torchrun_example_keeps_replicas_identical() -> None:
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--master-addr",
         "127.0.0.1",
         "--master-port",
         str(_free_port()),
-        "examples/tp_sync_torchrun.py",
+        script,
     ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, f"example failed (exit {result.returncode}):\n{output}"
+    assert result.returncode == 0, f"{script} failed (exit {result.returncode}):\n{output}"
+    return output
+
+
+def test_tp_sync_torchrun_example_keeps_replicas_identical() -> None:
+    """Two torchrun ranks train with TP-replica gradient sync and end with
+    bit-identical replicated parameters (the example checks it itself and
+    exits non-zero otherwise)."""
+    output = _torchrun("examples/tp_sync_torchrun.py", 2)
     assert "replicated parameters identical across TP ranks" in output, output
+
+
+def test_train_torchrun_example_dp2_tp2_sp_loss_falls() -> None:
+    """Four torchrun ranks (dp=2 x tp=2, sequence parallel, checkpointed)
+    train through FSDP2Manager; the printed loss falls step after step."""
+    output = _torchrun("examples/train_torchrun.py", 4)
+    losses = [float(line.split("loss ")[1].split()[0]) for line in output.splitlines() if line.startswith("step ")]
+    assert len(losses) == 8, output
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.8 * losses[0], losses
