@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from .hf import hf_fp32_compute_tokens, hf_replica_reductions
 from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit
 from ._planner import ModelIndex, PlanningError, _natural, resolve_units
 
@@ -240,7 +241,7 @@ def _request_dtype(
     tokens = (
         _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
         if fp32_compute_module_names is not None
-        else _tuple_of_str(getattr(model, "_keep_in_fp32_modules_strict", None), "_keep_in_fp32_modules_strict")
+        else hf_fp32_compute_tokens(model, plan.mp_policy.param_dtype if plan.mp_policy else None)
     )
     experts = _experts(model, index, expert_modules)
     request = DtypeRequest(
@@ -297,7 +298,8 @@ def shard_by_dtype(
 
     Defaults come from the model: ``blocks`` from ``_no_split_modules`` (or the
     largest ``nn.ModuleList``), pinned fp32 name tokens from
-    ``_keep_in_fp32_modules_strict``. ``ignored_params`` are parameter FQNs no
+    ``_keep_in_fp32_modules_strict`` (and, when the policy computes in fp16,
+    ``_keep_in_fp32_modules``: Hugging Face's rule). ``ignored_params`` are parameter FQNs no
     unit may own (another parallelism owns them). ``reshard_after_forward``
     falls back to the Plan's default. ``expert_modules`` (globs; default
     ``_fsdptx_expert_modules``) are planned first, each on the MoE mesh, and
@@ -381,6 +383,17 @@ def _matching(index: ModelIndex, patterns: Collection[str]) -> dict[str, list[st
     return out
 
 
+def _declared_reductions(model: nn.Module, index: ModelIndex) -> dict[str, str]:
+    """``_tp_replica_reductions`` plus what Hugging Face's TP plan implies
+    (``replicated_with_grad_allreduce`` -> ``sum``); HF entries for layers a
+    config did not build are dropped, not errors."""
+    own = getattr(model, "_tp_replica_reductions", None) or {}
+    if not isinstance(own, Mapping):
+        raise TypeError(f"{type(model).__name__}._tp_replica_reductions must be a mapping of module glob -> reduction")
+    implied = {g: r for g, r in hf_replica_reductions(model).items() if _matching(index, [g])[g]}
+    return {**implied, **own}
+
+
 def mark_reduction(
     model: nn.Module,
     plan: Plan,
@@ -395,11 +408,14 @@ def mark_reduction(
     same thing redundantly) or ``"sum"`` (replicas hold disjoint partial
     contributions); it marks the matched modules' direct parameters.
     ``exclude`` globs name subtrees that stay rank-local. Defaults come from
-    ``_tp_replica_reductions`` and ``_tp_replica_sync_exclude``. A glob that
+    ``_tp_replica_reductions`` and ``_tp_replica_sync_exclude``, plus the
+    ``sum`` that a Hugging Face TP plan's ``replicated_with_grad_allreduce``
+    implies. A glob that
     matches nothing is an error: it is almost always a typo that would
     otherwise silently leave gradients unsynchronized.
     """
-    marks = dict(reductions if reductions is not None else getattr(model, "_tp_replica_reductions", None) or {})
+    index = model_index(model, plan)
+    marks = dict(reductions) if reductions is not None else _declared_reductions(model, index)
     globs = _tuple_of_str(
         exclude if exclude is not None else getattr(model, "_tp_replica_sync_exclude", None), "exclude"
     )
@@ -410,7 +426,6 @@ def mark_reduction(
             + ", ".join(f"{r!r} for {g!r}" for g, r in bad.items())
             + f"; use one of {REDUCTIONS}"
         )
-    index = model_index(model, plan)
     matches = _matching(index, [*marks, *globs])
     out: dict[str, Reduction] = dict(plan.reductions)
     source: dict[str, str] = {}
