@@ -23,7 +23,7 @@ from ._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_me
 from ._plan import Checkpointing, Plan, Unit
 from ._planner import ModelIndex, claim, is_container
 from ._policy import primitive_policy
-from .tp._transform import check_tensor_parallel, tp_styles_by_module
+from .tp._transform import check_tensor_parallel, tied_tp_groups, tp_styles_by_module
 
 __all__ = ["PlanMismatchError", "apply_plan", "check_plan", "shard_kwargs"]
 
@@ -256,6 +256,16 @@ def _selective_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
+def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """Share one parameter again in each tied group after TP replaced each
+    module's copy (equal values: both came from the same tensor)."""
+    for group in groups:
+        (first_module, first_name), *rest = group
+        shared = model.get_submodule(first_module)._parameters[first_name]
+        for fqn, name in rest:
+            model.get_submodule(fqn).register_parameter(name, shared)
+
+
 def _fsdp_meshes(plan: Plan, mesh: object, moe_mesh: DeviceMesh | None) -> tuple[object, object]:
     if not plan.units:
         return mesh, None
@@ -301,7 +311,9 @@ def apply_plan(
 
     tp = plan.tensor_parallel
     if tp is not None and tp.assignments:
+        tied, _problems = tied_tp_groups(tp, model)  # the problems were refused above
         parallelize_module(model, tp_mesh(mesh), tp_styles_by_module(tp))  # type: ignore[arg-type]
+        _retie(model, tied)
     if plan.checkpointing is not None:
         extra = {"context_fn": _selective_context} if plan.checkpointing.mode == "selective" else {}
         for fqn in plan.checkpointing.modules:

@@ -14,7 +14,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torch.distributed.tensor import Replicate
 
 from .._plan import Plan, Reduction, TensorParallel, TPAssignment
@@ -239,6 +245,7 @@ def check_tensor_parallel(tp: TensorParallel, model: nn.Module, tp_size: int) ->
         dim, what = _sharded_dim(module, isinstance(style, ColwiseParallel))
         if dim % tp_size:
             problems.append(f"{a.module!r}: {what}={dim} is not divisible by tp={tp_size} ({a.style})")
+    problems.extend(tied_tp_groups(tp, model)[1])
     config = getattr(model, "config", None)
     for cfg in (config, getattr(config, "text_config", None)):
         for key in _HEAD_COUNTS:
@@ -246,6 +253,51 @@ def check_tensor_parallel(tp: TensorParallel, model: nn.Module, tp_size: int) ->
             if isinstance(value, int) and value % tp_size:
                 problems.append(f"config.{key}={value} is not divisible by tp={tp_size}")
     return problems
+
+
+def _weight_layout(module: nn.Module, a: TPAssignment | None) -> str:
+    """Where a torch style puts ``module.weight``: colwise shards the output
+    dim of a Linear (dim 0) and the embedding dim of an Embedding (dim 1);
+    rowwise the input dim of a Linear (dim 1) and the vocabulary (dim 0)."""
+    if a is None or not isinstance(a.parallel_style, (ColwiseParallel, RowwiseParallel)):
+        return "replicated" if a is None or not isinstance(a.parallel_style, SequenceParallel) else "replicated (DTensor)"
+    colwise = isinstance(a.parallel_style, ColwiseParallel)
+    if isinstance(module, nn.Embedding):
+        return "Shard(1)" if colwise else "Shard(0)"
+    return "Shard(0)" if colwise else "Shard(1)"
+
+
+def tied_tp_groups(tp: TensorParallel, model: nn.Module) -> tuple[list[list[tuple[str, str]]], list[str]]:
+    """Tied weights whose modules get TP styles: groups of (module FQN,
+    parameter name) sharing one parameter, and the problems of those whose
+    styles would shard it differently (they cannot stay tied).
+
+    ``parallelize_module`` replaces each module's parameters with new
+    DTensors, which unties a weight shared by two modules (Hugging Face's
+    tied embedding and LM head); ``apply_plan`` ties them again afterwards
+    when both halves are sharded the same way."""
+    by_module = {a.module: a for a in tp.assignments}
+    owners: dict[int, list[tuple[str, str, nn.Module]]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((fqn, name, module))
+    groups: list[list[tuple[str, str]]] = []
+    problems: list[str] = []
+    for found in owners.values():
+        unique = list(dict.fromkeys((f, n) for f, n, _m in found))
+        if len(unique) < 2 or not any(f in by_module for f, _n in unique):
+            continue
+        layouts = {f"{f}.{n}": _weight_layout(m, by_module.get(f)) for f, n, m in found}
+        if len(set(layouts.values())) > 1:
+            problems.append(
+                "tied parameter " + " = ".join(layouts) + " would be sharded differently ("
+                + ", ".join(f"{k}: {v}" for k, v in layouts.items())
+                + "); give both modules styles that shard it alike, or untie it"
+            )
+        else:
+            groups.append(unique)
+    return groups, problems
 
 
 def _sharded_dim(module: nn.Module, colwise: bool) -> tuple[int, str]:
