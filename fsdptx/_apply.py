@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ._args import require_module
 from ._marks import exclude_from_tp_replica_sync, mark_parameter_reduction
 from ._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
 from ._plan import Checkpointing, Plan, Unit
@@ -56,6 +57,9 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     storage dtype (FSDP2's assertion, caught early); no scalar parameters;
     ``reshard_after_forward`` values are ones the primitive accepts.
     """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"check_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
+    require_module(model, "model", "check_plan")
     index = ModelIndex.build(model)
     problems: list[str] = []
     resolved: list[list[nn.Module]] = []
@@ -125,7 +129,13 @@ def _check_unit(
             detail.append(f"would not reach {lacking}")
         problems.append(f"unit {i} ({', '.join(unit.modules) or '<root>'}): " + "; ".join(detail))
     trainable = {f: p.dtype for f, p in claimed if p.requires_grad}
-    if len(set(trainable.values())) > 1:
+    now = set(trainable.values())
+    if unit.storage_dtype is not None and len(now) == 1 and now != {unit.storage_dtype}:
+        problems.append(
+            f"unit {i} ({', '.join(unit.modules) or '<root>'}) was planned for {str(unit.storage_dtype).removeprefix('torch.')} "
+            f"storage, but its parameters are {str(now.pop()).removeprefix('torch.')} now (the model was cast after planning)"
+        )
+    elif len(now) > 1:
         listed = ", ".join(f"{f}: {str(d).removeprefix('torch.')}" for f, d in trainable.items())
         problems.append(
             f"unit {i} ({', '.join(unit.modules) or '<root>'}) mixes storage dtypes ({listed}); "

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from ._args import require_module, require_names
+
 __all__ = [
     "LOW_PRECISION_FLOATS",
     "compute_dtype",
@@ -128,6 +130,8 @@ def make_compute_dtype_fn(
     unit and are never grouped. A tensor from outside ``module`` resolves with
     no names (rules 1 and 3-5).
     """
+    require_module(module, "module", "make_compute_dtype_fn")
+    tokens = require_names(fp32_compute_module_names, "fp32_compute_module_names", "make_compute_dtype_fn")
     ignored = {id(p) for p in ignored_params or ()}
     names: dict[int, list[str]] = {}
     for fqn, p in module.named_parameters(remove_duplicate=False):
@@ -135,7 +139,6 @@ def make_compute_dtype_fn(
             names.setdefault(id(p), []).append(fqn)
     for fqn, b in module.named_buffers(remove_duplicate=False):
         names.setdefault(id(b), []).append(fqn)
-    tokens = tuple(fp32_compute_module_names)
 
     def resolve(tensor: torch.Tensor) -> torch.dtype:
         return compute_dtype(tensor, names.get(id(tensor), ()), mp_policy, tokens)
@@ -153,6 +156,7 @@ def group_params_by_dtype(
 
     Pass a key of ``(storage, compute)`` to get FSDP2-shardable groups.
     """
+    require_module(module, "module", "group_params_by_dtype")
     key_fn: Callable[[torch.Tensor], Hashable] = dtype_of or (lambda t: t.dtype)
     ignored = {id(p) for p in ignored_params or ()}
     groups: dict[Hashable, list[nn.Parameter]] = {}

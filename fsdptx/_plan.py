@@ -59,7 +59,9 @@ class Unit:
     storage_dtype: torch.dtype | None
     compute_dtype: torch.dtype | None
     mp_policy: MixedPrecisionPolicy | None
-    offload_policy: OffloadPolicy | None
+    # torch's offload policies are mutable dataclasses, so unhashable: they
+    # count for equality but not for the hash (equal plans still hash alike).
+    offload_policy: OffloadPolicy | None = field(hash=False)
     reshard_after_forward: bool | int | None
     numel: int
     nbytes: int
@@ -183,7 +185,7 @@ class Plan:
     reductions: Mapping[str, Reduction] = field(default_factory=FrozenReductions)
     exclusions: tuple[str, ...] = ()
     mp_policy: MixedPrecisionPolicy | None = None
-    offload_policy: OffloadPolicy | None = None
+    offload_policy: OffloadPolicy | None = field(default=None, hash=False)
     reshard_after_forward: bool | int | None = None
     dtype_request: DtypeRequest | None = None
     cross_block_requests: tuple[CrossBlockRequest, ...] = ()

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from ._args import require_module
 from .hf import hf_fp32_compute_tokens, hf_replica_reductions
 from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit
 from ._planner import ModelIndex, PlanningError, _natural, resolve_units
@@ -111,6 +112,13 @@ def plan(
     ``mp_policy=None`` means mixed precision disabled. Pure: the model is only
     read, so this is safe on a meta-device skeleton or a live model alike.
     """
+    require_module(model, "model", "plan")
+    if not callable(transform):
+        raise TypeError(f"plan: transform must be callable (model, Plan) -> Plan, got {type(transform).__name__}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"plan: mp_policy must be a MixedPrecisionPolicy or None, got {mp_policy!r}")
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"plan: offload_policy must be an OffloadPolicy or None, got {offload_policy!r}")
     start = Plan(
         mp_policy=mp_policy,
         offload_policy=offload_policy,

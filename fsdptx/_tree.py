@@ -11,6 +11,8 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 from torch import nn
 
+from ._args import require_module
+
 __all__ = [
     "get_module_from_path",
     "iter_maximal_uniform_dtype_subtrees",
@@ -206,6 +208,7 @@ def iter_maximal_uniform_dtype_subtrees(
     A module registered under two parents can lie inside two yielded
     subtrees that are not nested (neither can be yielded without it).
     """
+    require_module(module, "module", "iter_maximal_uniform_dtype_subtrees")
     dtype_fn: Callable[[torch.Tensor], torch.dtype] = dtype_of or (lambda t: t.dtype)
 
     def key_of(m: nn.Module) -> Iterator[Hashable]:
@@ -224,6 +227,9 @@ def get_module_from_path(root: nn.Module, path: str) -> nn.Module:
     Raises ``AttributeError`` naming the full path and the first unknown
     segment, so a typo in a plan or a model's declared names is obvious.
     """
+    require_module(root, "root", "get_module_from_path")
+    if not isinstance(path, str):
+        raise TypeError(f"get_module_from_path: path must be a dotted str, got {type(path).__name__}")
     module = root
     if not path:
         return module
@@ -268,6 +274,8 @@ def _iter_unique_named(
     named: Callable[[nn.Module], Iterable[tuple[str, torch.Tensor]]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+    for i, part in enumerate(parts):
+        require_module(part, f"model_parts[{i}]", "iter_unique_named_parameters/buffers")
     entries = [(index, fqn, t) for index, part in enumerate(parts) for fqn, t in named(part)]
     for _, fqn, tensor in rank_stable_unique(entries):
         yield fqn, tensor
