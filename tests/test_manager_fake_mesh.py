@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdptx.manager
 from fsdptx import FSDP2Config, FSDP2Manager, Plan, gradient_sync_context
@@ -556,3 +557,30 @@ def test_deferred_micro_batches_reduce_scatter_only_on_the_last(fsdp_model: nn.M
 def test_undeferred_micro_batches_reduce_scatter_every_time(fsdp_model: nn.Module) -> None:
     counts = _reduce_scatters_per_micro_batch(fsdp_model, defer=False)
     assert len(set(counts)) == 1 and counts[0] > 0
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_matmuls(mode: str) -> int:
+    with fake_mesh((2,), ("dp",)) as mesh:
+        model = FSDP2Manager(FSDP2Config(activation_checkpointing=mode), mesh).parallelize(_decoder())
+        out = model(torch.randint(0, VOCAB, (BATCH, SEQ)))
+        with _CountMatmuls() as counter:
+            out.float().sum().backward()
+    return counter.count
+
+
+def test_selective_checkpointing_replays_fewer_matmuls_than_full() -> None:
+    """Selective keeps matmul outputs, so its backward recomputes fewer of
+    them than full checkpointing does (with the default bf16 policy, whose
+    FSDP input casts run inside the replay)."""
+    assert _backward_matmuls("selective") < _backward_matmuls("full")
