@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, create_selective_checkpoint_contexts
 
 from ._args import require_module
 from ._marks import exclude_from_tp_replica_sync, mark_parameter_reduction
@@ -262,8 +262,25 @@ def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) 
     return CheckpointPolicy.MUST_SAVE if str(op) in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _RecomputeMode(_CachedTorchDispatchMode):
+    """Selective checkpointing's replay, letting profiler ops through.
+
+    Composable ``checkpoint`` sits on the module FSDP shards, and FSDP's
+    pre-forward hook runs before checkpointing starts in forward but inside
+    the replay in backward; its ``record_function`` ranges (the input cast
+    of a bf16 policy) would then be ops the replay never saw and fail it.
+    They compute nothing, so they run as they are.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "profiler":
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def _selective_context() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(_selective_policy)
+    caching, cached = create_selective_checkpoint_contexts(_selective_policy)
+    return caching, _RecomputeMode(_selective_policy, cached.storage)
 
 
 def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
