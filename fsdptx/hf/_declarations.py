@@ -118,7 +118,9 @@ def _merged_plan(model: nn.Module, attribute: str) -> dict[str, str]:
     stack: list[tuple[str, nn.Module]] = [("", model)]
     while stack:
         fqn, module = stack.pop()
-        plan = getattr(module, attribute, None)
+        # Instance dict, then class: a missing attribute through
+        # nn.Module.__getattr__ raises, which would cost more than the walk.
+        plan = module.__dict__.get(attribute, getattr(type(module), attribute, None))
         if plan is not None:
             prefix = fqn + "." if fqn else ""
             checked = _checked_plan(plan, attribute, type(module).__name__, "module glob -> style name")

@@ -54,12 +54,9 @@ def declared_tp_plan(model: nn.Module) -> dict[str, StyleSpec]:
     globs), or for a Hugging Face model its base and head plans together."""
     from ..hf import hf_tp_plan  # reads attributes only; never imports transformers
 
-    found = hf_tp_plan(model)
-    if found:
-        return dict(found)
-    own = getattr(model, "_tp_plan", None)
+    own = model.__dict__.get("_tp_plan", getattr(type(model), "_tp_plan", None))
     if own is None:
-        return {}
+        return hf_tp_plan(model)  # a wrapper around Hugging Face models: their plans, prefixed
     if not isinstance(own, Mapping):
         raise TypeError(f"{type(model).__name__}._tp_plan must be a mapping of module glob -> style, got {type(own).__name__}")
     return dict(own)
