@@ -129,27 +129,63 @@ def _supports(model: nn.Module, flag: str) -> bool:
     return bool(getattr(getattr(model, "supports", None), flag, False))
 
 
+class _MTPContextParallelError(RuntimeError, ValueError):
+    """MTP with context parallelism on a model that has not declared support.
+
+    A ``RuntimeError``, the type the reference raises and its callers catch;
+    also a ``ValueError``, the type fsdptx raised before, so callers written
+    against earlier fsdptx releases keep working."""
+
+
+class _MTPPipelineError(NotImplementedError, ValueError):
+    """MTP with context and pipeline parallelism on a model that has not
+    declared support. ``NotImplementedError`` as in the reference; also a
+    ``ValueError`` for callers of earlier fsdptx releases."""
+
+
+def _is_pipeline_stage(model: nn.Module, pp_size: int | None) -> bool:
+    """Whether ``model`` runs as one stage of a pipeline.
+
+    ``pp_size > 1`` says so directly. A trainer whose mesh omits the PP axis
+    (the stage was trimmed before this call) passes no ``pp_size``; the
+    model's legacy ``_is_pipeline_parallel_stage()`` hook still knows, so it
+    is asked whenever ``pp_size`` does not already say "pipeline"."""
+    if pp_size is not None and pp_size > 1:
+        return True
+    hook = getattr(model, "_is_pipeline_parallel_stage", None)
+    return callable(hook) and bool(hook())
+
+
 def reject_unsupported_mtp_cp(model: nn.Module) -> None:
-    """Raise if multi-token prediction is enabled but the model has not declared
-    context-parallel support (``model.supports.supports_mtp_cp``): MTP heads
-    shift the sequence, which CP's sequence split would silently corrupt."""
+    """Raise ``RuntimeError`` if multi-token prediction is enabled but the
+    model has not declared context-parallel support
+    (``model.supports.supports_mtp_cp``): MTP heads shift the sequence, which
+    CP's sequence split would silently corrupt."""
     if _supports(model, "mtp_enabled") and not _supports(model, "supports_mtp_cp"):
-        raise ValueError(
-            f"{type(model).__name__} has multi-token prediction enabled but does not declare "
-            "supports.supports_mtp_cp; disable MTP or context parallelism for this model"
+        raise _MTPContextParallelError(
+            f"{type(model).__name__} does not support MTP with context parallelism: multi-token "
+            "prediction is enabled but the model does not declare supports.supports_mtp_cp; "
+            "disable MTP or context parallelism for this model"
         )
 
 
 def reject_unsupported_mtp_cp_pp(model: nn.Module, pp_size: int | None = None) -> None:
     """Raise on MTP + context parallelism + pipeline parallelism unless the model
-    declares ``supports.supports_mtp_cp_pp``. Call only when CP is active; with
-    no pipeline (``pp_size`` None or 1) this is :func:`reject_unsupported_mtp_cp`."""
+    declares ``supports.supports_mtp_cp_pp``. Call only when CP is active.
+
+    First the CP check of :func:`reject_unsupported_mtp_cp` (``RuntimeError``);
+    then, when the model is a pipeline stage (``pp_size > 1``, or its legacy
+    ``_is_pipeline_parallel_stage()`` hook returns True), ``NotImplementedError``
+    without ``supports_mtp_cp_pp``."""
     reject_unsupported_mtp_cp(model)
-    if pp_size is not None and pp_size > 1 and _supports(model, "mtp_enabled") and not _supports(
-        model, "supports_mtp_cp_pp"
+    if (
+        _supports(model, "mtp_enabled")
+        and not _supports(model, "supports_mtp_cp_pp")
+        and _is_pipeline_stage(model, pp_size)
     ):
-        raise ValueError(
+        where = f"pp_size={pp_size}" if pp_size is not None and pp_size > 1 else "a trimmed pipeline stage"
+        raise _MTPPipelineError(
             f"{type(model).__name__} has multi-token prediction enabled with context parallelism "
-            f"and pipeline parallelism (pp_size={pp_size}) but does not declare "
+            f"and pipeline parallelism ({where}) but does not declare "
             "supports.supports_mtp_cp_pp; disable MTP, or run without pipeline parallelism"
         )
