@@ -4,7 +4,9 @@ the composable pipeline: each function plans, then calls ``apply_plan``."""
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -112,6 +114,14 @@ def configure_fsdp_unused_param_reduction(module: nn.Module) -> int:
     the unit's reduce-scatter while its peers wait in it: the job hangs, or
     peers' contributions are lost. Zero-filling keeps the collective sequence
     identical everywhere, as DDP's unused-parameter handling does.
+
+    Under mixed precision with gradient accumulation, torch's zero alone is
+    not enough: a micro-batch run without gradient sync leaves the unit's
+    gradients in the *reduce* dtype (fp32), while the zero for a parameter
+    no micro-batch used is made in the *compute* dtype (bf16), and the
+    reduce-scatter refuses the mix. So each unit's post-backward is wrapped
+    (:func:`_align_reduce_dtypes`) to bring every gradient of the unit to one
+    dtype first. Calling this twice wraps nothing twice.
     """
     seen: set[int] = set()
     for m in module.modules():
@@ -122,34 +132,117 @@ def configure_fsdp_unused_param_reduction(module: nn.Module) -> int:
             continue  # a multi-module unit shares one state
         seen.add(id(state))
         m.set_reduce_scatter_unused_params(True, recurse=False)
+        for group in state._fsdp_param_groups:
+            _align_reduce_dtypes_before_post_backward(group)
     return len(seen)
+
+
+_ALIGNING = "_fsdptx_aligns_reduce_dtypes"
+
+
+def _align_reduce_dtypes_before_post_backward(group: Any) -> None:
+    """Wrap one FSDP param group's ``post_backward`` (the instance attribute
+    both of torch's call sites look up) so :func:`_align_reduce_dtypes` runs
+    before it. torch's own files are left alone."""
+    original = group.post_backward
+    if getattr(original, _ALIGNING, False):
+        return
+
+    def post_backward(*args: Any) -> Any:
+        if group.reduce_grads:  # the synced micro-batch: a reduce-scatter follows
+            _align_reduce_dtypes(group)
+        return original(*args)
+
+    setattr(post_backward, _ALIGNING, True)
+    group.post_backward = post_backward
+
+
+def _align_reduce_dtypes(group: Any) -> None:
+    """Give every gradient of ``group`` the reduce dtype once any has it.
+
+    torch keeps the grads of micro-batches run without sync as
+    ``unsharded_accumulated_grad`` in the reduce dtype; a grad first produced
+    in this micro-batch (compute dtype) or the zero torch fills in for an
+    unused parameter (compute dtype too) would then sit next to them. Moving
+    those into ``unsharded_accumulated_grad`` in the reduce dtype, exactly as
+    torch does for accumulated grads, makes the unit uniform; the values are
+    the same (a cast of the grad, or zeros), so the reduction is unchanged.
+    """
+    params = [fp for fp in group.fsdp_params if hasattr(fp, "_unsharded_param")]
+    if not any(fp.unsharded_accumulated_grad is not None for fp in params):
+        return
+    for fp in params:
+        if fp.unsharded_accumulated_grad is not None or fp.reduce_dtype is None:
+            continue
+        param = fp._unsharded_param
+        if param.grad is not None:
+            fp.unsharded_accumulated_grad = param.grad.to(fp.reduce_dtype)
+            param.grad = None
+        elif group.reduce_scatter_unused_params and param.requires_grad:
+            fp.unsharded_accumulated_grad = torch.zeros_like(param, dtype=fp.reduce_dtype)
 
 
 def _supports(model: nn.Module, flag: str) -> bool:
     return bool(getattr(getattr(model, "supports", None), flag, False))
 
 
+class _MTPContextParallelError(RuntimeError, ValueError):
+    """MTP with context parallelism on a model that has not declared support.
+
+    A ``RuntimeError``, the type the reference raises and its callers catch;
+    also a ``ValueError``, the type fsdptx raised before, so callers written
+    against earlier fsdptx releases keep working."""
+
+
+class _MTPPipelineError(NotImplementedError, ValueError):
+    """MTP with context and pipeline parallelism on a model that has not
+    declared support. ``NotImplementedError`` as in the reference; also a
+    ``ValueError`` for callers of earlier fsdptx releases."""
+
+
+def _is_pipeline_stage(model: nn.Module, pp_size: int | None) -> bool:
+    """Whether ``model`` runs as one stage of a pipeline.
+
+    ``pp_size > 1`` says so directly. A trainer whose mesh omits the PP axis
+    (the stage was trimmed before this call) passes no ``pp_size``; the
+    model's legacy ``_is_pipeline_parallel_stage()`` hook still knows, so it
+    is asked whenever ``pp_size`` does not already say "pipeline"."""
+    if pp_size is not None and pp_size > 1:
+        return True
+    hook = getattr(model, "_is_pipeline_parallel_stage", None)
+    return callable(hook) and bool(hook())
+
+
 def reject_unsupported_mtp_cp(model: nn.Module) -> None:
-    """Raise if multi-token prediction is enabled but the model has not declared
-    context-parallel support (``model.supports.supports_mtp_cp``): MTP heads
-    shift the sequence, which CP's sequence split would silently corrupt."""
+    """Raise ``RuntimeError`` if multi-token prediction is enabled but the
+    model has not declared context-parallel support
+    (``model.supports.supports_mtp_cp``): MTP heads shift the sequence, which
+    CP's sequence split would silently corrupt."""
     if _supports(model, "mtp_enabled") and not _supports(model, "supports_mtp_cp"):
-        raise ValueError(
-            f"{type(model).__name__} has multi-token prediction enabled but does not declare "
-            "supports.supports_mtp_cp; disable MTP or context parallelism for this model"
+        raise _MTPContextParallelError(
+            f"{type(model).__name__} does not support MTP with context parallelism: multi-token "
+            "prediction is enabled but the model does not declare supports.supports_mtp_cp; "
+            "disable MTP or context parallelism for this model"
         )
 
 
 def reject_unsupported_mtp_cp_pp(model: nn.Module, pp_size: int | None = None) -> None:
     """Raise on MTP + context parallelism + pipeline parallelism unless the model
-    declares ``supports.supports_mtp_cp_pp``. Call only when CP is active; with
-    no pipeline (``pp_size`` None or 1) this is :func:`reject_unsupported_mtp_cp`."""
+    declares ``supports.supports_mtp_cp_pp``. Call only when CP is active.
+
+    First the CP check of :func:`reject_unsupported_mtp_cp` (``RuntimeError``);
+    then, when the model is a pipeline stage (``pp_size > 1``, or its legacy
+    ``_is_pipeline_parallel_stage()`` hook returns True), ``NotImplementedError``
+    without ``supports_mtp_cp_pp``."""
     reject_unsupported_mtp_cp(model)
-    if pp_size is not None and pp_size > 1 and _supports(model, "mtp_enabled") and not _supports(
-        model, "supports_mtp_cp_pp"
+    if (
+        _supports(model, "mtp_enabled")
+        and not _supports(model, "supports_mtp_cp_pp")
+        and _is_pipeline_stage(model, pp_size)
     ):
-        raise ValueError(
+        where = f"pp_size={pp_size}" if pp_size is not None and pp_size > 1 else "a trimmed pipeline stage"
+        raise _MTPPipelineError(
             f"{type(model).__name__} has multi-token prediction enabled with context parallelism "
-            f"and pipeline parallelism (pp_size={pp_size}) but does not declare "
+            f"and pipeline parallelism ({where}) but does not declare "
             "supports.supports_mtp_cp_pp; disable MTP, or run without pipeline parallelism"
         )

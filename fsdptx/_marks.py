@@ -26,6 +26,23 @@ _REDUCTION_ATTR = "_fsdptx_tp_replica_reductions"
 _EXCLUDE_ATTR = "_fsdptx_tp_replica_sync_excluded"
 _NO_MARKS: Mapping[str, Reduction] = MappingProxyType({})
 
+# Bumped by every function here that sets a mark or an exclusion. The TP
+# sync caches what it derived from the marks (order, groups, buffer layout)
+# and compares this one integer per call instead of re-reading every
+# module's marks.
+_generation = 0
+
+
+def marks_generation() -> int:
+    """A number that changes whenever any mark or exclusion is set (anywhere)."""
+    return _generation
+
+
+def _set(module: nn.Module, attr: str, value: object) -> None:
+    global _generation
+    setattr(module, attr, value)
+    _generation += 1
+
 
 def check_reduction(reduction: object, where: str) -> Reduction:
     if reduction not in REDUCTIONS:
@@ -44,14 +61,14 @@ def mark_tp_replica_gradient_reduction(module: nn.Module, reduction: Reduction) 
     check_reduction(reduction, f"mark_tp_replica_gradient_reduction({type(module).__name__})")
     marks: dict[str, Reduction] = dict(getattr(module, _REDUCTION_ATTR, {}))
     marks.update({name: reduction for name, p in module._parameters.items() if p is not None})
-    setattr(module, _REDUCTION_ATTR, marks)
+    _set(module, _REDUCTION_ATTR, marks)
 
 
 def mark_parameter_reduction(module: nn.Module, name: str, reduction: Reduction) -> None:
     """Mark one direct parameter (by its local name); what ``apply_plan`` uses."""
     marks: dict[str, Reduction] = dict(getattr(module, _REDUCTION_ATTR, {}))
     marks[name] = reduction
-    setattr(module, _REDUCTION_ATTR, marks)
+    _set(module, _REDUCTION_ATTR, marks)
 
 
 def tp_replica_reduction(module: nn.Module, name: str) -> Reduction:
@@ -75,7 +92,7 @@ def exclude_from_tp_replica_sync(module: nn.Module) -> None:
     replicas, even though nothing in their type says so. Neither their
     parameters nor their buffers are broadcast or reduced.
     """
-    setattr(module, _EXCLUDE_ATTR, True)
+    _set(module, _EXCLUDE_ATTR, True)
 
 
 def is_excluded_from_tp_replica_sync(module: nn.Module) -> bool:

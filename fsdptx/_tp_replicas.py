@@ -10,8 +10,9 @@ rank-stable order, over flat buffers bounded by :func:`gradient_chunks`.
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
 from ._dtypes import gradient_reduce_dtype
-from ._marks import is_excluded_from_tp_replica_sync, module_reductions
+from ._marks import is_excluded_from_tp_replica_sync, marks_generation, module_reductions
 from ._plan import Reduction
 from ._tree import rank_stable_unique
 
@@ -73,6 +74,44 @@ def _replicated_on_mesh(
     return True
 
 
+# ----------------------------------------------------------------------------
+# Arguments: checked on each rank before it enters any collective.
+
+
+def _check_arguments(
+    where: str, model_parts: object, device_mesh: object, tp_axis_name: object, max_bytes: object
+) -> tuple[list[nn.Module], int]:
+    """Validate every argument locally; return the model parts as a list and
+    ``max_bytes`` as an int.
+
+    Checking before the first collective means a bad argument never leaves
+    half the gradients reduced (a retry would then double-count ``sum``s).
+    A rank that raises here has entered no collective; if only some ranks
+    passed the bad argument, their peers wait in the agreement collective
+    until the process group's timeout expires (see the public docstrings).
+    """
+    if isinstance(model_parts, nn.Module):
+        parts = [model_parts]
+    elif isinstance(model_parts, Sequence) and all(isinstance(m, nn.Module) for m in model_parts):
+        parts = list(model_parts)
+    else:
+        raise TypeError(f"{where}: model_parts must be an nn.Module or a sequence of them, got {model_parts!r}")
+    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"{where}: device_mesh must be a DeviceMesh or None, got {type(device_mesh).__name__}")
+    if not isinstance(tp_axis_name, str):
+        raise TypeError(f"{where}: tp_axis_name must be a str, got {tp_axis_name!r}")
+    if isinstance(max_bytes, bool) or not hasattr(type(max_bytes), "__index__"):
+        raise TypeError(f"{where}: max_bytes must be an integer number of bytes, got {max_bytes!r}")
+    size = operator.index(max_bytes)  # type: ignore[arg-type]
+    if size <= 0:
+        raise ValueError(f"{where}: max_bytes must be positive, got {size}")
+    return parts, size
+
+
+# ----------------------------------------------------------------------------
+# The TP context.
+
+
 @dataclass(frozen=True)
 class _TPContext:
     group: dist.ProcessGroup
@@ -81,7 +120,7 @@ class _TPContext:
     device: torch.device
 
     def replicated(self) -> Callable[[torch.Tensor], bool]:
-        """``is_tp_replicated`` memoised per (mesh, placements) for one call."""
+        """``is_tp_replicated`` memoised per (mesh, placements)."""
         cache: dict[tuple[int, tuple[object, ...]], bool] = {}
 
         def check(t: torch.Tensor) -> bool:
@@ -112,6 +151,10 @@ def _tp_context(device_mesh: DeviceMesh | None, tp_axis_name: str) -> _TPContext
     return _TPContext(group, tuple(dist.get_process_group_ranks(group)), dist.get_rank(), device)
 
 
+# ----------------------------------------------------------------------------
+# The walk, and the layout derived from it (cached across calls).
+
+
 @dataclass(frozen=True)
 class _Entry:
     fqn: str
@@ -119,9 +162,9 @@ class _Entry:
     reduction: Reduction
 
 
-def _collect(parts: list[nn.Module]) -> tuple[list[_Entry], list[_Entry]]:
+def _walk(parts: list[nn.Module]) -> tuple[list[_Entry], list[_Entry], list[nn.Module]]:
     """Every parameter and buffer outside excluded subtrees, once each, in
-    rank-stable order: one walk of the model per call.
+    rank-stable order, plus every module visited (what the cache watches).
 
     A tensor reachable under an excluded module through any of its names stays
     rank-local. A tied parameter takes the reduction of its smallest name, so
@@ -130,10 +173,12 @@ def _collect(parts: list[nn.Module]) -> tuple[list[_Entry], list[_Entry]]:
     params: list[tuple[int, str, torch.Tensor, Reduction]] = []
     buffers: list[tuple[int, str, torch.Tensor, Reduction]] = []
     excluded: set[int] = set()
+    modules: list[nn.Module] = []
     for index, part in enumerate(parts):
         stack: list[tuple[str, nn.Module, bool]] = [("", part, False)]
         while stack:
             fqn, module, under_excluded = stack.pop()
+            modules.append(module)
             under_excluded = under_excluded or is_excluded_from_tp_replica_sync(module)
             prefix = fqn + "." if fqn else ""
             marks = module_reductions(module)
@@ -152,7 +197,26 @@ def _collect(parts: list[nn.Module]) -> tuple[list[_Entry], list[_Entry]]:
     def kept(entries: list[tuple[int, str, torch.Tensor, Reduction]]) -> list[_Entry]:
         return [_Entry(f, t, r) for _i, f, t, r in rank_stable_unique(entries) if id(t) not in excluded]
 
-    return kept(params), kept(buffers)
+    return kept(params), kept(buffers), modules
+
+
+def _structure(modules: list[nn.Module]) -> list[object]:
+    """What the walk read from each module: the names and identities of its
+    parameters, buffers and children, in one flat list.
+
+    Equal to the cached one exactly when a fresh walk would visit the same
+    modules and find the same tensors under the same names (adding, removing,
+    renaming or replacing anything changes it). Identities are safe to
+    compare because the cache holds every object it names, so no id can be
+    reused by a new object while the cache lives.
+    """
+    out: list[object] = []
+    extend = out.extend  # C-level extends: this runs on every call
+    for m in modules:
+        for d in (m._parameters, m._buffers, m._modules):
+            extend(d)
+            extend(map(id, d.values()))
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -160,75 +224,385 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _parts(model_parts: ModelParts) -> list[nn.Module]:
-    return [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+def _describe_tensor(t: torch.Tensor) -> str:
+    """dtype, rank-local shape and (for a DTensor) placements: everything about
+    a tensor that shapes a collective or its meaning."""
+    local = _local(t)
+    placements = f" {tuple(t.placements)}" if isinstance(t, DTensor) else ""
+    return f"{str(local.dtype).removeprefix('torch.')} {tuple(local.shape)}{placements}"
 
 
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i in one foreach op; it casts per
-    tensor in place (unlike a casting ``cat``, which stages every input
-    through a temporary and would push the peak past the buffer budget)."""
-    torch._foreach_copy_(dst, src)
+_MASK = (1 << 62) - 1
 
 
-def _run_chunked(
-    tensors: list[torch.Tensor],
+def _digest(text: str) -> int:
+    """A 62-bit digest that fits an int64 with room for its negation."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK
+
+
+@dataclass
+class _Layout:
+    """Everything one call derives from the model's structure, its marks, the
+    TP group and ``max_bytes``: which tensors take part, in which order, how
+    each is described to the peers, and the digest of all that.
+
+    Rebuilt only when :meth:`valid` says the model or its marks changed, so
+    the per-call cost is a list comparison instead of a walk and a sort.
+    """
+
+    key: tuple[object, ...]
+    modules: list[nn.Module]
+    structure: list[object]
+    entries: list[_Entry]
+    descriptions: list[str]  # per entry: dtype, local shape, placements, mark
+    local_dtypes: list[torch.dtype]
+    local_shapes: list[torch.Size]
+    placements: list[tuple[object, ...] | None]
+    digest: int
+    plan: _Plan | None = None  # the last per-call plan, with its buffer
+
+    def valid(self, key: tuple[object, ...]) -> bool:
+        return key == self.key and _structure(self.modules) == self.structure
+
+
+_CACHE_ATTR = "_fsdptx_tp_layouts"
+
+
+class _LayoutCache(dict[str, _Layout]):
+    """Per-model cache of layouts, one per operation, kept in the first model
+    part's ``__dict__`` so it lives and dies with the model. Copies and
+    pickles of the model start with an empty cache rather than carrying
+    tensors and buffers of this one."""
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _LayoutCache:
+        return _LayoutCache()
+
+    def __reduce__(self) -> tuple[type[_LayoutCache], tuple[()]]:
+        return (_LayoutCache, ())
+
+
+def _layout(
+    parts: list[nn.Module], ctx: _TPContext, max_bytes: int, op: str, with_buffers: bool
+) -> _Layout:
+    """The cached layout of ``parts`` for ``op`` ("sync" or "broadcast"),
+    rebuilt when anything it was derived from changed."""
+    key = (op, tuple(map(id, parts)), ctx.group, ctx.ranks, max_bytes, marks_generation())
+    cache = parts[0].__dict__.get(_CACHE_ATTR)
+    if not isinstance(cache, _LayoutCache):
+        cache = _LayoutCache()
+        parts[0].__dict__[_CACHE_ATTR] = cache
+    found = cache.get(op)
+    if found is not None and found.valid(key):
+        return found
+    cache.pop(op, None)  # release the old plan's buffer before building anew
+    params, buffers, modules = _walk(parts)
+    replicated = ctx.replicated()
+    entries = [e for e in (*params, *buffers) if replicated(e.tensor)] if with_buffers else [
+        e for e in params if replicated(e.tensor)
+    ]
+    descriptions = [
+        f"{_describe_tensor(e.tensor)} {e.reduction}" if not with_buffers else _describe_tensor(e.tensor)
+        for e in entries
+    ]
+    text = "\n".join(f"{e.fqn} {d}" for e, d in zip(entries, descriptions))
+    layout = _Layout(
+        key=key,
+        modules=modules,
+        structure=_structure(modules),
+        entries=entries,
+        descriptions=descriptions,
+        local_dtypes=[_local(e.tensor).dtype for e in entries],
+        local_shapes=[_local(e.tensor).shape for e in entries],
+        placements=[tuple(e.tensor.placements) if isinstance(e.tensor, DTensor) else None for e in entries],
+        digest=_digest(f"{op} max_bytes={max_bytes}\n{text}"),
+    )
+    cache[op] = layout
+    return layout
+
+
+# ----------------------------------------------------------------------------
+# Plans: chunks, groups and one reusable buffer, for a given set of tensors.
+
+
+@dataclass
+class _Chunk:
+    """One collective: ``slots`` say which tensor (or slice of one, for a
+    tensor cut across chunks) fills which span of the buffer."""
+
+    slots: list[int | tuple[int, int, int]]  # tensor index, or (index, start, stop) of its flat view
+    spans: list[tuple[int, int, torch.Size | None]]  # per slot: buffer offset, numel, shape (None: flat)
+    numel: int
+    mean_numel: int  # the first ``mean_numel`` elements hold mean-reduced values
+    views: list[torch.Tensor] = field(default_factory=list)  # per slot, once the buffer exists
+    data: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
+
+
+@dataclass
+class _Group:
+    device: torch.device
+    dtype: torch.dtype
+    has_mean: bool
+    chunks: list[_Chunk]
+    divisor: torch.Tensor | None = None  # one buffer element past every chunk's data
+
+
+@dataclass
+class _Plan:
+    """How the tensors of one call travel: per (device, communication dtype)
+    group, the chunks and their views of one buffer per device.
+
+    The buffer is made (:meth:`materialize`) only after the peers agreed, and
+    kept with the plan, so repeated calls with the same layout reuse it: no
+    allocation, no page faults, no per-tensor views. Its size is the largest
+    chunk plus, for a group with means, one element for the divisor, within
+    ``max_bytes``: all the extra memory the call needs, held until the
+    layout changes or the model is released.
+    """
+
+    key: bytes
+    groups: list[_Group]
+    materialized: bool = False
+
+    def materialize(self) -> None:
+        if self.materialized:
+            return
+        need: dict[torch.device, int] = {}
+        for g in self.groups:
+            size = (max(c.numel for c in g.chunks) + g.has_mean) * g.dtype.itemsize
+            need[g.device] = max(need.get(g.device, 0), size)
+        storages = {device: torch.empty(n, dtype=torch.uint8, device=device) for device, n in need.items()}
+        for g in self.groups:
+            storage = storages[g.device]
+            typed = storage[: storage.numel() // g.dtype.itemsize * g.dtype.itemsize].view(g.dtype)
+            capacity = max(c.numel for c in g.chunks)
+            g.divisor = typed[capacity : capacity + 1] if g.has_mean else None
+            for c in g.chunks:
+                c.views = [
+                    typed[o : o + n] if shape is None else typed[o : o + n].view(shape) for o, n, shape in c.spans
+                ]
+                c.data = typed[: c.numel]
+                c.mean = typed[: c.mean_numel] if c.mean_numel else None
+        self.materialized = True
+
+
+def _plan(
+    key: bytes,
+    shapes: list[torch.Size],
+    dtypes: list[torch.dtype],
+    devices: list[torch.device],
+    means: list[bool],
     comm_dtype: Callable[[torch.dtype], torch.dtype],
     max_bytes: int,
-    collective: Callable[[torch.Tensor], None],
-    divide: Sequence[bool] = (),
-    divisor: float = 1.0,
-) -> None:
-    """Communicate ``tensors`` in place through flat buffers of at most
-    ``max_bytes``, one group per (device, communication dtype), in the given
-    order; afterwards tensor ``i``'s values are divided by ``divisor`` where
-    ``divide[i]`` (a mean is a sum, then this division).
+    where: str,
+    names: list[str],
+) -> _Plan:
+    """Lay the tensors out in chunks of at most ``max_bytes`` (no memory yet).
 
-    Packing and unpacking are a few foreach ops per chunk rather than a few
-    small ops per tensor, which is what keeps the local work small next to the
-    collective. One allocation per group is reused by every chunk:
-    a fresh buffer per chunk could overlap the previous one, which the
-    backend's worker thread may release only after the next is allocated. So
-    the extra memory is bounded by the budget, plus the divisor scalar and
-    contiguous copies of any non-contiguous tensors (rare for gradients).
+    Per (device, communication dtype), mean-reduced tensors come first and
+    sum-reduced ones after, each in the given (rank-stable) order, so every
+    chunk's means form one prefix and the division is one op per chunk
+    rather than one per tensor. Chunks are :func:`gradient_chunks` of
+    shape-only ("meta") stand-ins, so the layout is exactly what that
+    function promises. A group with means budgets one element of
+    ``max_bytes`` for the divisor. Raises ``ValueError`` (before any
+    collective) when ``max_bytes`` cannot hold one element plus the divisor.
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.numel():  # empty tensors have nothing to communicate
-            groups.setdefault((t.device, comm_dtype(t.dtype)), []).append(i)
-    for (device, dtype), members in groups.items():
-        work = [tensors[i] if tensors[i].is_contiguous() else tensors[i].contiguous() for i in members]
-        flat = [w.view(-1) for w in work]
-        owner, consumed = 0, 0
-        # One scalar tensor for the whole group (4 bytes for fp32): a Python
-        # number would be wrapped in a fresh one per segment.
-        scale = torch.tensor(divisor, dtype=dtype, device=device) if divide else None
-        storage: torch.Tensor | None = None
-        for chunk in gradient_chunks(flat, max_bytes):
-            sizes = [piece.numel() for piece in chunk]
-            numel = sum(sizes)
-            if storage is None or storage.numel() < numel:
-                storage = None  # free the smaller one before allocating
-                storage = torch.empty(numel, dtype=dtype, device=device)
-            buffer = storage[:numel]
-            segments = list(buffer.split(sizes))
-            _copy_all(segments, chunk)
-            collective(buffer)
-            to_divide = []
-            for size, segment in zip(sizes, segments):
-                if consumed == flat[owner].numel():  # pieces arrive in tensor order
-                    owner, consumed = owner + 1, 0
-                if divide and divide[members[owner]]:
-                    to_divide.append(segment)
-                consumed += size
-            if to_divide:
-                torch._foreach_div_(to_divide, scale)  # type: ignore[arg-type]
-            _copy_all(chunk, segments)
-            del buffer, segments, to_divide
-        storage = None
-        for i, w in zip(members, work):
-            if w is not tensors[i]:
-                tensors[i].copy_(w)
+    order: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for want_mean in (True, False):
+        for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+            if means[i] == want_mean and shape.numel():  # empty tensors have nothing to communicate
+                order.setdefault((devices[i], comm_dtype(dtype)), []).append(i)
+    groups: list[_Group] = []
+    for (device, dtype), members in order.items():
+        has_mean = means[members[0]]
+        reserve = dtype.itemsize if has_mean else 0
+        if max_bytes < dtype.itemsize + reserve:
+            offenders = [names[i] for i in members][:5]
+            raise ValueError(
+                f"{where}: max_bytes={max_bytes} cannot hold one {dtype} element"
+                + (" plus the mean's divisor" if reserve else "")
+                + f" (needs {dtype.itemsize + reserve} bytes) for {offenders}; raise max_bytes. "
+                "Nothing was communicated or modified."
+            )
+        stand_ins = [torch.empty(shapes[i], dtype=dtypes[i], device="meta") for i in members]
+        index_of = {id(t): i for t, i in zip(stand_ins, members)}
+        chunks: list[_Chunk] = []
+        for pieces in gradient_chunks(stand_ins, max_bytes - reserve):
+            slots: list[int | tuple[int, int, int]] = []
+            spans: list[tuple[int, int, torch.Size | None]] = []
+            offset = mean_numel = 0
+            for piece in pieces:
+                whole = id(piece) in index_of
+                i = index_of[id(piece) if whole else id(piece._base)]
+                n = piece.numel()
+                if whole:
+                    slots.append(i)
+                    spans.append((offset, n, shapes[i]))
+                else:
+                    start = piece.storage_offset()
+                    slots.append((i, start, start + n))
+                    spans.append((offset, n, None))
+                offset += n
+                if means[i]:
+                    mean_numel = offset
+            chunks.append(_Chunk(slots, spans, offset, mean_numel))
+        groups.append(_Group(device, dtype, has_mean, chunks))
+    return _Plan(key, groups)
+
+
+def _execute(plan: _Plan, tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], None], divisor: float) -> None:
+    """Run ``plan`` on ``tensors`` in place: per chunk, one foreach copy in
+    (casting low precision up), one collective, one division of the mean
+    prefix, one foreach copy out (casting back).
+
+    A slice of a non-contiguous tensor (rare for gradients) goes through a
+    contiguous copy, written back at the end.
+    """
+    staged: dict[int, torch.Tensor] = {}
+    for group in plan.groups:
+        if group.divisor is not None:
+            group.divisor.fill_(divisor)  # another dtype's group may have overwritten it
+        for chunk in group.chunks:
+            sources: list[torch.Tensor] = []
+            for slot in chunk.slots:
+                if isinstance(slot, int):
+                    sources.append(tensors[slot])
+                    continue
+                i, start, stop = slot
+                t = tensors[i]
+                if not t.is_contiguous():
+                    t = staged.setdefault(i, t.contiguous())
+                sources.append(t.view(-1)[start:stop])
+            torch._foreach_copy_(chunk.views, sources)
+            collective(chunk.data)  # type: ignore[arg-type]
+            if chunk.mean is not None:
+                chunk.mean.div_(group.divisor)  # type: ignore[arg-type]
+            torch._foreach_copy_(sources, chunk.views)
+    for i, work in staged.items():
+        tensors[i].copy_(work)
+
+
+# ----------------------------------------------------------------------------
+# The agreement.
+
+
+def _agree(
+    where: str,
+    ctx: _TPContext,
+    layout: _Layout,
+    max_bytes: int,
+    states: bytes,
+    deviations: list[str],
+    sparse: list[str],
+) -> None:
+    """Check, with one small collective, that every TP peer is about to run
+    the same collectives on the same things; raise the same ``RuntimeError``
+    on every peer if not.
+
+    Each rank contributes (entry count, layout digest, per-call digest, any
+    sparse) and their negations to one MAX all-reduce, which yields both the
+    maximum and the minimum across the group. The layout digest (cached)
+    covers every entry's FQN, dtype, rank-local shape, placements and mark
+    and ``max_bytes``, hence the chunk layout; the per-call digest covers
+    each gradient's presence and any way it departs from its parameter.
+    Every peer sees the same result and so takes the same branch: none can
+    wait in a collective another skipped. Only on disagreement does a second
+    collective (an all-gather of each rank's description) name the
+    offenders. On a fake process group the all-reduce returns the local
+    input, so peers always agree there and only local checks (sparsity) fire.
+    """
+    call_digest = _digest(states.hex() + "\n".join(deviations)) if states or deviations else 0
+    local = [len(layout.entries), layout.digest, call_digest, int(bool(sparse))]
+    both = torch.tensor(local + [-v for v in local], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.group)
+    values = both.tolist()
+    hi, lo = values[:4], [-v for v in values[4:]]
+    if hi[:3] == lo[:3]:
+        if hi[3]:
+            raise RuntimeError(_sparse_message(where, sparse))
+        return
+    mine = _Description(
+        max_bytes,
+        {e.fqn: d for e, d in zip(layout.entries, layout.descriptions)},
+        {e.fqn: _STATE_NAMES[s] for e, s in zip(layout.entries, states)},
+        dict(d.split("\0", 1) for d in deviations),  # type: ignore[misc]
+        sparse,
+    )
+    gathered: list[_Description | None] = [None] * len(ctx.ranks)
+    dist.all_gather_object(gathered, mine, group=ctx.group)
+    raise RuntimeError(_disagreement_message(where, ctx.ranks, gathered))  # type: ignore[arg-type]
+
+
+# Per-entry gradient states of one call (one byte each).
+_NO_GRAD, _SYNC, _SPARSE, _SKIP = 0, 1, 2, 3
+_STATE_NAMES = {_NO_GRAD: "no grad", _SYNC: "grad", _SPARSE: "sparse grad", _SKIP: "grad not TP-replicated"}
+
+
+@dataclass(frozen=True)
+class _Description:
+    """What a rank was about to do, for naming the differences."""
+
+    max_bytes: int
+    entries: dict[str, str]
+    states: dict[str, str]
+    grads: dict[str, str]  # grads that differ from their parameter: dtype, shape, placements
+    sparse: list[str]
+
+
+def _sparse_message(where: str, fqns: list[str]) -> str:
+    return (
+        f"{where}: sparse gradients on TP-replicated parameters {fqns} (on at least one TP peer) "
+        "cannot be flattened into a reduction buffer; use dense gradients for them (e.g. "
+        "nn.Embedding(sparse=False)) or exclude their module with exclude_from_tp_replica_sync. "
+        "No gradient was modified."
+    )
+
+
+def _disagreement_message(where: str, ranks: tuple[int, ...], found: list[_Description]) -> str:
+    """One message, the same on every peer, naming every difference."""
+    sparse = sorted({f for d in found for f in d.sparse})
+    if sparse:
+        return _sparse_message(where, sparse)
+    lines: list[str] = []
+    sizes = [d.max_bytes for d in found]
+    if len(set(sizes)) > 1:
+        lines.append("max_bytes: " + ", ".join(f"rank {r}: {s}" for r, s in zip(ranks, sizes)))
+    fqns = sorted({f for d in found for f in d.entries})
+    presence: list[str] = []
+    for fqn in fqns:
+        entry = [d.entries.get(fqn, "absent") for d in found]
+        if len(set(entry)) > 1:
+            lines.append(f"{fqn}: " + ", ".join(f"rank {r}: {e}" for r, e in zip(ranks, entry)))
+            continue
+        state = [d.states.get(fqn, "absent") for d in found]
+        grad = [d.grads.get(fqn, "") for d in found]
+        if len(set(state)) > 1 and set(state) <= {"no grad", "grad"}:
+            presence.append(fqn)
+        elif len(set(state)) > 1 or len(set(grad)) > 1:
+            lines.append(
+                f"{fqn} gradient: " + ", ".join(f"rank {r}: {s} {g}".rstrip() for r, s, g in zip(ranks, state, grad))
+            )
+    if presence and not lines:
+        return (
+            f"{where}: gradient presence differs across TP peers {list(ranks)} for {presence}: some "
+            "peers have a gradient and others None. Reducing anyway would hang the peers that skip "
+            "the collective. Make every TP rank run the same modules (or zero-fill unused "
+            "gradients) before synchronizing. No gradient was modified."
+        )
+    if presence:
+        lines.append(f"gradient present on some peers only: {presence}")
+    return (
+        f"{where}: TP peers {list(ranks)} disagree on what to communicate:\n  "
+        + "\n  ".join(lines)
+        + "\nEvery TP rank must pass the same model parts (same parameters, shapes, dtypes, "
+        "placements, reduction marks and exclusions) and the same max_bytes. Nothing was "
+        "communicated or modified."
+    )
+
+
+# ----------------------------------------------------------------------------
+# Public operations.
 
 
 def broadcast_tp_replicas(
@@ -247,101 +621,46 @@ def broadcast_tp_replicas(
     alone. Tensors travel through rank-local storage in flat buffers of at
     most ``max_bytes``. Returns the number of tensors broadcast (tied once);
     0 and no collective without a TP axis of size > 1.
+
+    Before anything moves, the TP peers agree (one small all-reduce) on the
+    set and order of tensors, their dtypes, rank-local shapes and placements,
+    and ``max_bytes``; any difference raises ``RuntimeError`` naming the
+    tensors on every peer, with every tensor unchanged.
+
+    Invalid arguments (``max_bytes`` not a positive integer, or too small for
+    one element) raise ``TypeError``/``ValueError`` before any collective. If
+    only some ranks pass the bad argument, their peers cannot know and wait
+    in the agreement collective until the process group's timeout (the
+    ``timeout`` given to ``init_process_group``) expires.
     """
+    where = "broadcast_tp_replicas"
+    parts, max_bytes = _check_arguments(where, model_parts, device_mesh, tp_axis_name, max_bytes)
     ctx = _tp_context(device_mesh, tp_axis_name)
     if ctx is None:
         return 0
-    params, buffers = _collect(_parts(model_parts))
-    replicated = ctx.replicated()
-    chosen = [_local(e.tensor) for e in (*params, *buffers) if replicated(e.tensor)]
+    layout = _layout(parts, ctx, max_bytes, "broadcast", with_buffers=True)
+    tensors = [_local(e.tensor) for e in layout.entries]
+    plan = layout.plan
+    if plan is None:
+        n = len(tensors)
+        plan = _plan(
+            b"",
+            [t.shape for t in tensors],
+            [t.dtype for t in tensors],
+            [t.device for t in tensors],
+            [False] * n,
+            lambda d: d,
+            max_bytes,
+            where,
+            [e.fqn for e in layout.entries],
+        )
+    _agree(where, ctx, layout, max_bytes, b"", [], [])
+    plan.materialize()
+    layout.plan = plan
     src = ctx.ranks[0]
     with torch.no_grad():
-        _run_chunked(chosen, lambda d: d, max_bytes, lambda buf: dist.broadcast(buf, src=src, group=ctx.group))
-    return len(chosen)
-
-
-# Per-parameter gradient states exchanged before any reduction.
-_NO_GRAD, _DENSE, _SPARSE = 0, 1, 2
-_HASH_MASK = (1 << 62) - 1
-
-
-def _digest(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _HASH_MASK
-
-
-def _candidates(parts: list[nn.Module], ctx: _TPContext) -> list[_Entry]:
-    """Replicated, non-excluded parameters in rank-stable order: the set every
-    TP peer must agree on, whatever their grads look like."""
-    replicated = ctx.replicated()
-    return [e for e in _collect(parts)[0] if replicated(e.tensor)]
-
-
-def _state(p: torch.Tensor) -> tuple[int, str, int]:
-    g = p.grad
-    if g is None:
-        return (_NO_GRAD, "", 0)
-    if g.is_sparse or g.layout != torch.strided:
-        return (_SPARSE, "", 0)
-    local = _local(g)
-    return (_DENSE, str(local.dtype), local.numel())
-
-
-def _agree(ctx: _TPContext, cands: list[_Entry]) -> None:
-    """Check, with one small collective, that all TP peers are about to reduce
-    the same thing; raise the same ``RuntimeError`` on every peer if not.
-
-    Each rank contributes (count, digest of FQNs, digest of grad states, any
-    sparse) and their negations to one MAX all-reduce, which yields both the
-    maximum and the minimum across the group. Every peer sees the same result
-    and so takes the same branch: no peer can wait in a collective that
-    another skipped. Only on disagreement is a second collective of per-
-    parameter states run, to name the parameters; its size is known equal
-    because the counts and FQN digests agreed. On a fake process group the
-    collective returns the local input, so local checks (sparsity) still fire.
-    """
-    states = [_state(c.tensor) for c in cands]
-    fqn_digest = _digest("\0".join(c.fqn for c in cands).encode())
-    state_digest = _digest(repr(states).encode())
-    any_sparse = int(any(s[0] == _SPARSE for s in states))
-    local = torch.tensor([len(cands), fqn_digest, state_digest, any_sparse], dtype=torch.int64)
-    reduced = torch.cat([local, -local]).to(ctx.device)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=ctx.group)
-    hi, lo = reduced[:4].tolist(), [-v for v in reduced[4:].tolist()]
-    if hi[0] != lo[0] or hi[1] != lo[1]:
-        raise RuntimeError(
-            f"synchronize_tp_replica_gradients: TP peers {list(ctx.ranks)} hold different sets of "
-            f"replicated parameters ({lo[0]}..{hi[0]} per rank); every TP rank must pass the same "
-            "model parts with the same exclusions. No gradient was modified."
-        )
-    if hi[2] == lo[2] and hi[3] == 0:
-        return
-    per_param = torch.tensor([s[0] for s in states], dtype=torch.int64)
-    both = torch.cat([per_param, -per_param]).to(ctx.device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.group)
-    n = len(cands)
-    p_hi, p_lo = both[:n].tolist(), [-v for v in both[n:].tolist()]
-    sparse = [c.fqn for c, h in zip(cands, p_hi) if h == _SPARSE]
-    if sparse:
-        raise RuntimeError(
-            "synchronize_tp_replica_gradients: sparse gradients on TP-replicated parameters "
-            f"{sparse} (on at least one TP peer) cannot be flattened into a reduction buffer; use "
-            "dense gradients for them (e.g. nn.Embedding(sparse=False)) or exclude their module "
-            "with exclude_from_tp_replica_sync. No gradient was modified."
-        )
-    differ = [c.fqn for c, h, l in zip(cands, p_hi, p_lo) if h != l]
-    if differ:
-        raise RuntimeError(
-            "synchronize_tp_replica_gradients: gradient presence differs across TP peers "
-            f"{list(ctx.ranks)} for {differ}: some peers have a gradient and others None. "
-            "Reducing anyway would hang the peers that skip the collective. Make every TP rank "
-            "run the same modules (or zero-fill unused gradients) before synchronizing. "
-            "No gradient was modified."
-        )
-    raise RuntimeError(
-        "synchronize_tp_replica_gradients: TP peers disagree on the dtype or size of replicated "
-        f"gradients among {[c.fqn for c in cands][:10]}...; check that every TP rank built the "
-        "same model. No gradient was modified."
-    )
+        _execute(plan, tensors, lambda buf: dist.broadcast(buf, src=src, group=ctx.group), 1.0)
+    return len(tensors)
 
 
 def synchronize_tp_replica_gradients(
@@ -363,35 +682,113 @@ def synchronize_tp_replica_gradients(
     division and low-precision gradients are reduced in fp32 anyway, so one
     fp32 buffer per chunk carries every mean and sum, bf16 and fp32 gradient
     of a device (fp64 ones get their own). Chunks are bounded by ``max_bytes``
-    and issued in rank-stable FQN order; DTensor gradients are reduced
-    through their local storage and keep shape and placements. Excluded,
-    TP-sharded and TP-partial tensors are untouched.
+    (the mean's divisor included) and laid out in rank-stable order; DTensor
+    gradients are reduced through their local storage and keep shape and
+    placements. Excluded, TP-sharded and TP-partial tensors are untouched.
 
-    Before touching anything the TP group agrees on what it will reduce (see
-    :func:`_agree`): a gradient present on some peers and ``None`` on others,
-    or a sparse replicated gradient, raises ``RuntimeError`` naming the
-    parameters on every peer, with every gradient unchanged.
+    Before touching anything the TP group agrees (see :func:`_agree`) on
+    everything that shapes the collectives: the set and order of
+    parameters, their dtypes, rank-local shapes, placements and reduction
+    marks, each gradient's presence and layout, and ``max_bytes``. A
+    difference, or a sparse replicated gradient on any peer, raises
+    ``RuntimeError`` naming the parameters on every peer, with every
+    gradient unchanged.
+
+    Invalid arguments (``max_bytes`` not a positive integer, or too small for
+    one element plus the divisor) raise ``TypeError``/``ValueError`` before
+    any collective, with every gradient unchanged. If only some ranks pass
+    the bad argument, their peers cannot know and wait in the agreement
+    collective until the process group's timeout (the ``timeout`` given to
+    ``init_process_group``) expires, then raise there.
+
+    What the call derives from the model (order, groups, buffer layout, the
+    layout digest) is cached on the first model part and reused while the
+    model's parameters, buffers, submodules, marks and the arguments stay
+    the same; so is one buffer of at most ``max_bytes`` per device.
 
     Returns the number of rank-local gradients synchronized (tied once);
     0 and no collective without a TP axis of size > 1.
     """
+    where = "synchronize_tp_replica_gradients"
+    parts, max_bytes = _check_arguments(where, model_parts, device_mesh, tp_axis_name, max_bytes)
     ctx = _tp_context(device_mesh, tp_axis_name)
     if ctx is None:
         return 0
-    parts = _parts(model_parts)
-    cands = _candidates(parts, ctx)
-    _agree(ctx, cands)
-    replicated = ctx.replicated()
-    chosen = [c for c in cands if c.tensor.grad is not None and replicated(c.tensor.grad)]
-    grads = [_local(c.tensor.grad) for c in chosen]  # type: ignore[arg-type]
-    with torch.no_grad():
-        _run_chunked(
-            grads,
+    layout = _layout(parts, ctx, max_bytes, "sync", with_buffers=False)
+    states, grads, deviations, sparse = _grad_states(layout, ctx)
+    key = states + "\n".join(deviations).encode()
+    plan = layout.plan
+    synced = [i for i, s in enumerate(states) if s == _SYNC]
+    if plan is None or plan.key != key:
+        layout.plan = None  # release the old buffer before a new one is allocated
+        plan = _plan(
+            key,
+            [grads[i].shape for i in synced],
+            [grads[i].dtype for i in synced],
+            [grads[i].device for i in synced],
+            [layout.entries[i].reduction == "mean" for i in synced],
             gradient_reduce_dtype,
             max_bytes,
-            lambda buf: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group),
-            divide=[c.reduction == "mean" for c in chosen],
-            divisor=float(len(ctx.ranks)),
+            where,
+            [layout.entries[i].fqn for i in synced],
         )
-    return len(chosen)
+    _agree(where, ctx, layout, max_bytes, states, deviations, sparse)
+    plan.materialize()
+    layout.plan = plan
+    tensors = [grads[i] for i in synced]
+    with torch.no_grad():
+        _execute(
+            plan,
+            tensors,
+            lambda buf: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group),
+            float(len(ctx.ranks)),
+        )
+    return len(synced)
 
+
+def _grad_states(
+    layout: _Layout, ctx: _TPContext
+) -> tuple[bytes, list[torch.Tensor], list[str], list[str]]:
+    """Per entry, what its gradient is this call: (one state byte per entry,
+    the rank-local gradients (a placeholder where there is none), one
+    ``"fqn\\0description"`` per gradient that departs from its parameter's
+    dtype, local shape or placements, the FQNs of sparse gradients).
+
+    The common case, a dense gradient laid out like its parameter, costs a
+    few attribute reads and is fully described by the cached layout digest.
+    """
+    states = bytearray(len(layout.entries))
+    grads: list[torch.Tensor] = []
+    deviations: list[str] = []
+    sparse: list[str] = []
+    replicated: Callable[[torch.Tensor], bool] | None = None
+    strided = torch.strided
+    expected = zip(layout.entries, layout.placements, layout.local_dtypes, layout.local_shapes)
+    for i, (entry, placements, dtype, shape) in enumerate(expected):
+        p = entry.tensor
+        g = p.grad
+        if g is None:
+            grads.append(p)
+            continue
+        if g.layout is not strided:
+            states[i] = _SPARSE
+            sparse.append(entry.fqn)
+            grads.append(p)
+            continue
+        if placements is None:
+            local, same = g, not isinstance(g, DTensor)
+        elif isinstance(g, DTensor):
+            local = g._local_tensor
+            same = g.placements == placements and g.device_mesh is p.device_mesh  # type: ignore[attr-defined]
+        else:
+            local, same = g, False
+        if not (same and local.dtype is dtype and local.shape == shape):
+            replicated = replicated or ctx.replicated()
+            if not replicated(g):
+                states[i] = _SKIP
+                grads.append(p)
+                continue
+            deviations.append(f"{entry.fqn}\0{_describe_tensor(g)}")
+        states[i] = _SYNC
+        grads.append(local)
+    return bytes(states), grads, deviations, sparse

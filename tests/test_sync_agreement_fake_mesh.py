@@ -1,0 +1,194 @@
+"""Argument validation and the layout cache of TP sync, on fake meshes
+(issue 8, items 5 and 9.1). Real peers disagreeing are in
+``test_sync_agreement_gloo.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdptx import broadcast_tp_replicas, mark_tp_replica_gradient_reduction, synchronize_tp_replica_gradients
+from fsdptx.testing import fake_mesh, record_collectives
+
+
+@pytest.fixture
+def mesh() -> Iterator[DeviceMesh]:
+    with fake_mesh((2,), ("tp",)) as m:
+        yield m
+
+
+def _mixed() -> nn.Module:
+    """fp32 and fp64 params with integer-valued grads (exact halves)."""
+    model = nn.Module()
+    model.a = nn.Linear(3, 2)
+    model.d = nn.Linear(2, 2, dtype=torch.float64)
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) + i
+    return model
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> bool:
+    return a.keys() == b.keys() and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in
+        ((a[k], b[k]) for k in a)
+    )
+
+
+@pytest.mark.parametrize(
+    ("max_bytes", "error"),
+    [(4, ValueError), (8, ValueError), (10.5, TypeError), (0, ValueError), (-8, ValueError), (True, TypeError),
+     ("64", TypeError)],
+)
+def test_invalid_max_bytes_raises_before_any_collective_with_grads_unchanged(
+    mesh: DeviceMesh, max_bytes: object, error: type[Exception]
+) -> None:
+    """fp32 grads come first in the buffer order: before, max_bytes=4 reduced
+    them and then refused the fp64 ones; a retry double-counted ``sum``."""
+    model = _mixed()
+    before = _grads(model)
+    with record_collectives() as calls, pytest.raises(error, match="max_bytes"):
+        synchronize_tp_replica_gradients(model, mesh, max_bytes=max_bytes)  # type: ignore[arg-type]
+    assert calls == []
+    assert _same(before, _grads(model))
+
+
+def test_too_small_max_bytes_names_the_parameters(mesh: DeviceMesh) -> None:
+    with pytest.raises(ValueError, match=r"d\.weight"):
+        synchronize_tp_replica_gradients(_mixed(), mesh, max_bytes=12)
+
+
+@pytest.mark.parametrize(("max_bytes", "error"), [(0, ValueError), (2.0, TypeError), (2, ValueError)])
+def test_broadcast_invalid_max_bytes_raises_before_any_collective(
+    mesh: DeviceMesh, max_bytes: object, error: type[Exception]
+) -> None:
+    model = _mixed()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with record_collectives() as calls, pytest.raises(error, match="max_bytes"):
+        broadcast_tp_replicas(model, mesh, max_bytes=max_bytes)  # type: ignore[arg-type]
+    assert calls == []
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("bad", [{"model_parts": 3}, {"tp_axis_name": 1}, {"device_mesh": "tp"}])
+def test_invalid_other_arguments_raise_type_error(mesh: DeviceMesh, bad: dict[str, object]) -> None:
+    kwargs: dict[str, object] = {"model_parts": _mixed(), "device_mesh": mesh, "tp_axis_name": "tp"}
+    kwargs.update(bad)
+    with record_collectives() as calls, pytest.raises(TypeError):
+        synchronize_tp_replica_gradients(**kwargs)  # type: ignore[arg-type]
+    assert calls == []
+
+
+# ----------------------------------------------------------------- the cache
+
+
+def _float_payloads(calls: list) -> list[tuple[tuple[int, ...], torch.dtype]]:  # type: ignore[type-arg]
+    return [(c.shapes[0], c.dtypes[0]) for c in calls if c.dtypes[0].is_floating_point]
+
+
+def _fresh_result(build: object, mesh: DeviceMesh) -> dict[str, torch.Tensor | None]:
+    model = build()  # type: ignore[operator]
+    synchronize_tp_replica_gradients(model, mesh)
+    return _grads(model)
+
+
+def _model() -> nn.Module:
+    model = nn.Module()
+    model.a = nn.Linear(3, 2)
+    model.b = nn.Linear(2, 2, bias=False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    return model
+
+
+def test_cached_calls_repeat_the_first_calls_collectives(mesh: DeviceMesh) -> None:
+    model = _model()
+    with record_collectives() as first:
+        synchronize_tp_replica_gradients(model, mesh)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    with record_collectives() as second:
+        synchronize_tp_replica_gradients(model, mesh)
+    assert first == second
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
+
+
+def test_changing_a_mark_invalidates_the_cache(mesh: DeviceMesh) -> None:
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    mark_tp_replica_gradient_reduction(model.b, "sum")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    synchronize_tp_replica_gradients(model, mesh)
+    assert torch.equal(model.b.weight.grad, torch.full((2, 2), 4.0))  # summed: unchanged on a fake group
+    assert torch.equal(model.a.weight.grad, torch.full((2, 3), 2.0))
+
+
+def test_adding_a_parameter_invalidates_the_cache(mesh: DeviceMesh) -> None:
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    model.b.extra = nn.Parameter(torch.zeros(5))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    with record_collectives() as calls:
+        count = synchronize_tp_replica_gradients(model, mesh)
+    assert count == 4
+    assert _float_payloads(calls) == [((6 + 2 + 4 + 5,), torch.float32)]
+    assert torch.equal(model.b.extra.grad, torch.full((5,), 2.0))
+
+
+def test_replacing_a_submodule_invalidates_the_cache(mesh: DeviceMesh) -> None:
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    model.b = nn.Linear(2, 7, bias=False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    with record_collectives() as calls:
+        synchronize_tp_replica_gradients(model, mesh)
+    assert _float_payloads(calls) == [((6 + 2 + 14,), torch.float32)]
+
+
+def test_grad_presence_change_invalidates_the_plan(mesh: DeviceMesh) -> None:
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    model.a.bias.grad = None
+    model.a.weight.grad = torch.ones(2, 3) * 4
+    model.b.weight.grad = torch.ones(2, 2) * 4
+    with record_collectives() as calls:
+        count = synchronize_tp_replica_gradients(model, mesh)
+    assert count == 2 and model.a.bias.grad is None
+    assert _float_payloads(calls) == [((6 + 4,), torch.float32)]
+
+
+def test_grad_dtype_change_invalidates_the_plan(mesh: DeviceMesh) -> None:
+    """The same parameter object now holds fp64 (``.data`` swapped): its grad
+    travels in an fp64 buffer of its own, and the agreement sees the change."""
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    model.b.weight.data = model.b.weight.data.double()
+    model.b.weight.grad = torch.ones(2, 2, dtype=torch.float64) * 4
+    for p in (model.a.weight, model.a.bias):
+        p.grad = torch.ones_like(p) * 4
+    with record_collectives() as calls:
+        synchronize_tp_replica_gradients(model, mesh)
+    assert _float_payloads(calls) == [((8,), torch.float32), ((4,), torch.float64)]
+    assert torch.equal(model.b.weight.grad, torch.full((2, 2), 2.0, dtype=torch.float64))
+
+
+def test_cache_does_not_travel_with_a_deep_copy(mesh: DeviceMesh) -> None:
+    import copy
+
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    clone = copy.deepcopy(model)
+    for p in clone.parameters():
+        p.grad = torch.ones_like(p) * 4
+    synchronize_tp_replica_gradients(clone, mesh)
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in clone.parameters())
