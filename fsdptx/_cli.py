@@ -278,7 +278,7 @@ def dry_run(model: nn.Module, shape: tuple[int, ...], names: tuple[str, ...], co
         elif tp_cost <= APPLY_BUDGET:
             # TP alone (and checkpointing, marks): the FSDP split is computed from shapes.
             apply_plan(p.replace(units=(), prefetch=(), reduce_unused_params=False), model, mesh)
-            applied = "tp"
+            applied = "tp" if p.tensor_parallel else "computed"
         else:
             raise UsageError(
                 f"tp={dims.tp} over {n_params:,} parameters is more than the dry run simulates "
@@ -481,6 +481,10 @@ _APPLIED = {
         "TP applied on the fake mesh; FSDP shards computed from shapes (simulating fully_shard over this many "
         "ranks would take minutes)"
     ),
+    "computed": (
+        "FSDP shards computed from shapes, not applied (simulating fully_shard over this many ranks would take "
+        "minutes)"
+    ),
     "none": "nothing to apply (no TP, one data-parallel rank)",
 }
 
@@ -616,8 +620,13 @@ def run_plan(args: argparse.Namespace) -> str:
     )
     try:
         run = dry_run(model, shape, names, config)
-    except (TypeError, ValueError) as e:  # the model's declarations cannot be planned as they are
+    except ValueError as e:  # the planner's own message names what to change
         raise UsageError(f"cannot plan {name}: {_one_line(e)}") from None
+    except TypeError as e:  # typically a declaration of the wrong type (_no_split_modules = 5)
+        raise UsageError(
+            f"cannot plan {name}: TypeError: {_one_line(e)}; check the model's declarations "
+            "(_no_split_modules, _keep_in_fp32_modules(_strict), _tp_plan, _fsdp_shard_across_blocks)"
+        ) from None
     data = report(name, shape, names, run, args.optimizer)
     return json.dumps(data, indent=2) if args.json else render(data, run.plan)
 

@@ -1,15 +1,15 @@
 """``python -m fsdptx plan``: a dry run of FSDP2Manager, driven through ``main``.
 
-Most cases call :func:`fsdptx._cli.main` in-process (fast); one runs the real
-``python -m fsdptx`` entry point in a subprocess. HF models, the memory plan
-and hardening have files of their own (``test_cli_*.py``).
+Every case calls :func:`fsdptx._cli.main` in-process (fast); the real
+``python -m fsdptx`` entry point runs in ``test_cli_hardening.py``. HF
+models, the memory plan and hardening have files of their own
+(``test_cli_*.py``).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator, Sequence
@@ -366,19 +366,3 @@ def test_help_exits_0_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--help"]) == 0
     out, _ = capsys.readouterr()
     assert "--mesh" in out and "--hf" in out and "--optimizer" in out
-
-
-# --------------------------------------------------------------------------- the real entry point
-
-
-def test_python_m_fsdptx_plan_runs_in_a_subprocess() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdptx", "plan", "--layers", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("fsdptx plan: mixed (preset, 2 layers) on a fake mesh dp=8 (8 ranks)")
-    assert "layers.{0..1}.sinks (one unit)" in proc.stdout
-    assert proc.stderr == ""

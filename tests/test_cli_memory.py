@@ -85,7 +85,7 @@ def test_computed_fsdp_is_said_in_the_output(capsys: pytest.CaptureFixture[str],
     monkeypatch.setattr(_cli, "APPLY_BUDGET", 0)
     assert main(["plan", "--preset", "llama", "--layers", "1"]) == 0
     out, _ = capsys.readouterr()
-    assert "FSDP shards computed from shapes" in out
+    assert "FSDP shards computed from shapes, not applied" in out
 
 
 # --------------------------------------------------------------------------- the memory rows
