@@ -22,7 +22,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -372,7 +372,13 @@ def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, o
         "model": name,
         "mesh": dict(zip(names, shape)),
         "world_size": math.prod(shape),
-        "dims": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp},
+        "dims": {
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "cp": dims.cp,
+            "tp": dims.tp,
+            "pp": dims.pp,
+        },
         "applied": run.applied,
         "mp_policy": _policy_json(p.mp_policy),
         "model_bytes": sum(s.numel * s.dtype.itemsize for s in run.shards.values()),
@@ -387,7 +393,9 @@ def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, o
             "grads_bytes": mem.grads,
             "optimizer": optimizer,
             "optimizer_bytes": mem.optimizer,
-            "largest_gathered_unit": None if largest is None else {"modules": largest["modules"], "bytes": mem.largest_gathered},
+            "largest_gathered_unit": (
+                None if largest is None else {"modules": largest["modules"], "bytes": mem.largest_gathered}
+            ),
             "peak_forward_bytes": mem.peak_forward,
             "peak_forward_gathered_bytes": mem.forward_gathered,
             "peak_forward_at": mem.forward_at,
@@ -471,7 +479,10 @@ def _mesh_line(data: dict[str, Any]) -> str:
     if d["pp"] > 1:
         parts.append(f"pp={d['pp']} (nothing reshards)")
     policy = data["mp_policy"]
-    mp = "mixed precision off" if policy is None else f"compute {policy['param_dtype']}, reduce {policy['reduce_dtype']}"
+    if policy is None:
+        mp = "mixed precision off"
+    else:
+        mp = f"compute {policy['param_dtype']}, reduce {policy['reduce_dtype']}"
     return "; ".join(parts) + f"; {mp}"
 
 
@@ -546,9 +557,9 @@ def render(data: dict[str, Any], p: Plan) -> str:
     s = data["step"]
     lines += [
         "",
-        f"per training step: {s['all_gathers']} all-gathers ({fmt_bytes(s['all_gather_bytes'])} gathered per rank), "
-        f"{s['reduce_scatters']} reduce-scatters ({fmt_bytes(s['reduce_scatter_bytes'])} in); "
-        "TP collectives move activations and are not counted",
+        f"per training step (FSDP, per rank): {s['all_gathers']} all-gathers producing "
+        f"{fmt_bytes(s['all_gather_bytes'])}, {s['reduce_scatters']} reduce-scatters consuming "
+        f"{fmt_bytes(s['reduce_scatter_bytes'])}; TP collectives move activations and are not counted",
         "",
     ]
     lines += _memory_lines(data)
@@ -559,7 +570,10 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
     m, d = data["memory"], data["dims"]
     split = d["dp_shard"] * (d["tp"] if d["tp"] > 1 else 1)
     params = f"{fmt_bytes(m['params_bytes'])} ({m['params_bytes']:,} B"
-    params += f" = {data['model_bytes']:,} B / {d['dp_shard']} shards" if d["tp"] == 1 else f" of {data['model_bytes']:,} B over {split} ranks"
+    if d["tp"] == 1:
+        params += f" = {data['model_bytes']:,} B / {d['dp_shard']} shards"
+    else:  # TP-replicated params (norms) split over dp_shard only
+        params += f" of {data['model_bytes']:,} B over {split} ranks"
     params += f" + {m['padding_bytes']:,} B padding)"
     states = OPTIMIZER_STATES[m["optimizer"]]
     rows = [
@@ -569,7 +583,8 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
     ]
     largest = m["largest_gathered_unit"]
     if largest is not None:
-        rows.append(("largest all-gathered unit", f"{fmt_bytes(largest['bytes'])} ({collapse_fqns(largest['modules'])})"))
+        label = collapse_fqns(largest["modules"])
+        rows.append(("largest all-gathered unit", f"{fmt_bytes(largest['bytes'])} ({label})"))
     for phase in ("forward", "backward"):
         at = m[f"peak_{phase}_at"]
         rows.append(
@@ -580,7 +595,7 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
             )
         )
     width = max(len(k) for k, _ in rows)
-    out = [f"memory per rank (rank 0; activations not counted, see fsdptx._report.MemoryPlan):"]
+    out = ["memory per rank (rank 0; activations not counted, see fsdptx._report.MemoryPlan):"]
     out += [f"  {k.ljust(width)}  {v}" for k, v in rows]
     return out
 
@@ -597,13 +612,29 @@ def _parser() -> _Parser:
     src.add_argument("--factory", help="package.module:function returning an nn.Module")
     src.add_argument("--hf", metavar="MODEL_TYPE|CONFIG", help="a transformers model type or a local config.json")
     p.add_argument("--hf-config", action="append", default=[], metavar="K=V,...", help="config overrides for --hf")
-    p.add_argument("--dtype", choices=list(_DTYPES), help="storage dtype of an --hf model, as loading gives it (default bf16)")
+    p.add_argument(
+        "--dtype", choices=list(_DTYPES), help="storage dtype of an --hf model, as loading gives it (default bf16)"
+    )
     p.add_argument("--layers", type=int, help="blocks for a preset (default 16)")
-    p.add_argument("--mesh", default="dp=8", help=f"fake mesh, e.g. dp=8, dp=2,tp=4, dp_replicate=2,dp_shard=4 (axes: {', '.join(KNOWN_DIMS)})")
+    p.add_argument(
+        "--mesh",
+        default="dp=8",
+        help=f"fake mesh, e.g. dp=8, dp=2,tp=4, dp_replicate=2,dp_shard=4 (axes: {', '.join(KNOWN_DIMS)})",
+    )
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with a tp axis)")
     p.add_argument("--ac", choices=["full", "selective"], help="activation checkpointing of the blocks")
-    p.add_argument("--mp", choices=[*_DTYPES, "none"], default="bf16", help="compute dtype of the policy; none disables mixed precision (default bf16)")
-    p.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw", help="optimizer state to count (default adamw)")
+    p.add_argument(
+        "--mp",
+        choices=[*_DTYPES, "none"],
+        default="bf16",
+        help="compute dtype of the policy; none disables mixed precision (default bf16)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZER_STATES),
+        default="adamw",
+        help="optimizer state to count: adamw 2 fp32 states, sgd (momentum) 1, none 0 (default adamw)",
+    )
     p.add_argument("--json", action="store_true", help="print the same report as JSON")
     return parser
 

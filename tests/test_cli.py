@@ -48,7 +48,9 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
     return data
 
 
-def manager_plan(preset: str, layers: int, shape: Sequence[int] = (8,), names: Sequence[str] = ("dp",), **config: Any) -> Plan:
+def manager_plan(
+    preset: str, layers: int, shape: Sequence[int] = (8,), names: Sequence[str] = ("dp",), **config: Any
+) -> Plan:
     """The plan the CLI should print, computed with the manager directly."""
     with torch.device("meta"):
         model = build_preset(preset, layers)

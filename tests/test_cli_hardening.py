@@ -114,7 +114,8 @@ def test_mesh_at_the_limit_runs_without_simulating_every_shard(capsys: pytest.Ca
 def test_subprocess_without_numpy_prints_no_warning_and_exit_codes_hold(tmp_path: Path) -> None:
     # A numpy that cannot be imported, as on a torch-only install.
     (tmp_path / "numpy").mkdir()
-    (tmp_path / "numpy" / "__init__.py").write_text('raise ModuleNotFoundError("No module named numpy", name="numpy")\n')
+    blocker = 'raise ModuleNotFoundError("No module named numpy", name="numpy")\n'
+    (tmp_path / "numpy" / "__init__.py").write_text(blocker)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     ok = subprocess.run(
         [sys.executable, "-m", "fsdptx", "plan", "--preset", "llama", "--layers", "1", "--mesh", "dp=2"],

@@ -16,7 +16,10 @@ from fsdptx._cli import main, parse_hf_config
 
 pytest.importorskip("transformers")
 
-TINY = "num_hidden_layers=3,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,vocab_size=256"
+TINY = (
+    "num_hidden_layers=3,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,"
+    "vocab_size=256"
+)
 LLAMA_70B = (
     "num_hidden_layers=80,hidden_size=8192,intermediate_size=28672,num_attention_heads=64,num_key_value_heads=8"
 )
@@ -93,7 +96,9 @@ def test_unknown_model_type_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     assert "unknown model type 'lama'" in err and len(err.splitlines()) == 1
 
 
-def test_missing_transformers_names_the_extra(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_transformers_names_the_extra(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     code, out, err = run(capsys, "--hf", "llama")
     assert (code, out) == (2, "")

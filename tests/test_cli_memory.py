@@ -14,7 +14,7 @@ import torch
 
 from fsdptx import _cli
 from fsdptx._cli import main, param_shards
-from fsdptx._plan import Plan, Prefetch
+from fsdptx._plan import Plan
 from fsdptx._report import OPTIMIZER_STATES, ParamShard, local_shape, memory_plan
 from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import Decoder, DecoderConfig
@@ -81,7 +81,9 @@ def test_cli_figures_are_the_same_when_fsdp_is_computed_instead_of_applied(
     assert computed["units"] == applied["units"]
 
 
-def test_computed_fsdp_is_said_in_the_output(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_computed_fsdp_is_said_in_the_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(_cli, "APPLY_BUDGET", 0)
     assert main(["plan", "--preset", "llama", "--layers", "1"]) == 0
     out, _ = capsys.readouterr()
@@ -107,7 +109,9 @@ def test_adamw_is_the_default_optimizer(capsys: pytest.CaptureFixture[str]) -> N
     assert run_json(capsys, "--preset", "llama", "--layers", "1")["memory"]["optimizer"] == "adamw"
 
 
-def test_largest_gathered_unit_is_the_biggest_unsharded_unit_in_compute_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+def test_largest_gathered_unit_is_the_biggest_unsharded_unit_in_compute_dtype(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     data = run_json(capsys, "--preset", "llama", "--layers", "2")
     root = next(u for u in data["units"] if u["modules"] == [""])
     assert data["memory"]["largest_gathered_unit"] == {"modules": [""], "bytes": root["numel"] * 2}
@@ -125,7 +129,8 @@ def test_text_memory_rows_show_the_json_figures(capsys: pytest.CaptureFixture[st
     assert main(["plan", "--preset", "llama", "--layers", "2"]) == 0
     out, _ = capsys.readouterr()
     assert f"({m['params_bytes']:,} B = " in out
-    for row in ("parameters", "gradients", "optimizer (adamw, 2 fp32 states)", "largest all-gathered unit", "peak forward", "peak backward"):
+    rows = ("parameters", "gradients", "optimizer (adamw, 2 fp32 states)", "largest all-gathered unit")
+    for row in (*rows, "peak forward", "peak backward"):
         assert f"\n  {row}" in out, row
 
 
@@ -158,7 +163,9 @@ def test_forward_peak_holds_unresharded_units_plus_one_block_and_its_forward_pre
 def test_deeper_forward_prefetch_raises_the_forward_peak() -> None:
     p1, shards = llama_plan(6)
     p3, _ = llama_plan(6, fsdp2_forward_prefetch_depth=3)
-    assert memory_plan(p3, shards, dp_shard=2).forward_gathered - memory_plan(p1, shards, dp_shard=2).forward_gathered == 2 * gathered(p1, shards, "layers.0")
+    shallow = memory_plan(p1, shards, dp_shard=2).forward_gathered
+    deep = memory_plan(p3, shards, dp_shard=2).forward_gathered
+    assert deep - shallow == 2 * gathered(p1, shards, "layers.0")
 
 
 def test_backward_peak_adds_the_backward_chain_and_one_reduce_scatter_input() -> None:
