@@ -11,6 +11,16 @@ Plan purely, apply once::
     fsdptx.synchronize_tp_replica_gradients([model], mesh)   # once per optimizer step
 """
 
+import warnings
+
+# torch warns "Failed to initialize NumPy" on import when numpy is missing;
+# fsdptx depends on torch alone and never needs numpy, so that warning is
+# only noise (it would be the first line of every `python -m fsdptx plan`).
+# Scoped to this import: no filter stays installed.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch  # noqa: F401
+
 from ._apply import PlanMismatchError, apply_plan, check_plan
 from ._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
 from ._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn

@@ -1,0 +1,134 @@
+"""``--hf``: any installed transformers architecture, built on meta with the
+dtypes loading gives, planned and reported like a preset."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsdptx._cli import main, parse_hf_config
+
+pytest.importorskip("transformers")
+
+TINY = (
+    "num_hidden_layers=3,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,"
+    "vocab_size=256"
+)
+LLAMA_70B = (
+    "num_hidden_layers=80,hidden_size=8192,intermediate_size=28672,num_attention_heads=64,num_key_value_heads=8"
+)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    data: dict[str, Any] = json.loads(out)
+    return data
+
+
+# --------------------------------------------------------------------------- --hf-config values
+
+
+def test_hf_config_values_parse_as_int_float_bool_or_string() -> None:
+    assert parse_hf_config(["a=2,b=1e-5,c=true,d=False,e=silu", "f=0.5"]) == {
+        "a": 2,
+        "b": 1e-5,
+        "c": True,
+        "d": False,
+        "e": "silu",
+        "f": 0.5,
+    }
+
+
+def test_malformed_hf_config_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--hf", "llama", "--hf-config", "hidden_size")
+    assert (code, out) == (2, "")
+    assert err.startswith("fsdptx: error: malformed --hf-config 'hidden_size'") and len(err.splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- building
+
+
+def test_hf_model_is_planned_with_its_declared_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, "--hf", "llama", "--hf-config", TINY, "--mesh", "dp=2")
+    assert data["model"] == "llama (LlamaForCausalLM, bf16)"
+    assert [u["modules"][0] for u in data["units"]] == ["model.layers.0", "model.layers.1", "model.layers.2", ""]
+
+
+@pytest.mark.parametrize(("flag", "storage"), [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")])
+def test_dtype_sets_the_storage_dtype_as_loading_would(
+    capsys: pytest.CaptureFixture[str], flag: str, storage: str
+) -> None:
+    data = run_json(capsys, "--hf", "llama", "--hf-config", TINY, "--dtype", flag, "--mesh", "dp=2")
+    assert {u["storage_dtype"] for u in data["units"]} == {storage}
+
+
+def test_hf_model_with_tp_uses_its_declared_tp_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--hf", "llama", "--hf-config", TINY, "--mesh", "dp=2,tp=2")
+    assert code == 0, err
+    assert re.search(r"model\.layers\.\*\.self_attn\.q_proj\s+colwise \(x3\)", out), out
+
+
+def test_hf_config_json_path_is_read_locally(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path)
+    data = run_json(capsys, "--hf", str(tmp_path / "config.json"), "--mesh", "dp=2")
+    assert [u["modules"][0] for u in data["units"]] == ["model.layers.0", "model.layers.1", ""]
+
+
+def test_unknown_model_type_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--hf", "lama")
+    assert (code, out) == (2, "")
+    assert "unknown model type 'lama'" in err and len(err.splitlines()) == 1
+
+
+def test_missing_transformers_names_the_extra(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    code, out, err = run(capsys, "--hf", "llama")
+    assert (code, out) == (2, "")
+    assert 'pip install "fsdptx[hf]"' in err and len(err.splitlines()) == 1
+
+
+def test_layers_with_hf_points_to_hf_config(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "--hf", "llama", "--layers", "2")
+    assert code == 2 and "--hf-config num_hidden_layers=N" in err
+
+
+# --------------------------------------------------------------------------- the issue's 70B check
+
+
+def test_llama_70b_on_dp8_holds_an_eighth_of_the_model_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    data = run_json(capsys, "--hf", "llama", "--hf-config", LLAMA_70B, "--mesh", "dp=8")
+    elapsed = time.perf_counter() - start
+    m = data["memory"]
+    assert data["applied"] == "full"
+    assert data["model_bytes"] == 68_976_648_192 * 2  # bf16
+    assert m["params_bytes"] == data["model_bytes"] // 8 + m["padding_bytes"]
+    assert m["padding_bytes"] == 0
+    assert m["optimizer_bytes"] == 2 * 4 * data["model_bytes"] // 2 // 8
+    assert elapsed < 30, f"70B dry run took {elapsed:.1f} s"
+
+    code, out, _ = run(capsys, "--hf", "llama", "--hf-config", LLAMA_70B, "--mesh", "dp=8")
+    assert code == 0
+    assert f"({m['params_bytes']:,} B = {data['model_bytes']:,} B / 8 shards + 0 B padding)" in out
+    assert re.search(r"^block\s+model\.layers\.\{0\.\.78\} x79\s", out, re.M)
+    assert re.search(r"^block\s+model\.layers\.79\s.*False", out, re.M)
+    for row in ("gradients", "optimizer (adamw", "largest all-gathered unit", "peak forward", "peak backward"):
+        assert f"\n  {row}" in out
