@@ -94,7 +94,9 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if not shard and not replicate:
         raise ValueError(f"device_mesh {dict(zip(names, mesh.shape))} has no data-parallel dim to shard over")
     if len(shard) > 1:
-        mesh[shard]._flatten(_FLAT_SHARD)
+        flat = mesh[shard]._flatten(_FLAT_SHARD)
+        if not replicate:
+            return flat  # kept as returned: torch deprecates slicing a flattened dim from the root
         shard = (_FLAT_SHARD,)
     dims = replicate + shard
     if dims == tuple(names):
