@@ -130,8 +130,6 @@ class Decoder(nn.Module):
             "layers.*.mlp.down_proj": "rowwise",
             "lm_head": "colwise_rep",
         }
-        if cfg.sibling_dtype is not None:
-            self._tp_replica_reductions["layers.*.gate"] = "sum"
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(tokens)

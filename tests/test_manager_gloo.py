@@ -4,7 +4,8 @@ one process does.
 The model is the ``llama`` preset at toy size with one extra per-block fp32
 holder (``sinks``) outside the TP plan: under sequence parallelism it sees
 only its rank's sequence shard, so its gradient on each TP rank is a partial
-sum, and it carries a ``sum`` TP-replica mark. Each variant trains 5 SGD
+sum, and the ``tensor_parallel`` transform gives it a ``sum`` TP-replica mark
+(nothing in the model declares it). Each variant trains 5 SGD
 steps and is compared with the unsharded model trained in this process on
 the global batch:
 
@@ -55,9 +56,6 @@ def make_model() -> Decoder:
     with torch.no_grad():
         for block in model.layers:
             block.sinks.weight.normal_(0, 0.1)
-    # The holder adds the same vector at every position of the rank's
-    # sequence shard: its gradient is a partial sum over TP ranks.
-    model._tp_replica_reductions = {**model._tp_replica_reductions, "layers.*.sinks": "sum"}
     return model
 
 
@@ -163,6 +161,15 @@ def assert_matches_reference(runs: list[dict[str, dict[str, Any]]], variant: str
         )
         for name, ref in ref_params.items():
             torch.testing.assert_close(got["params"][name], ref, rtol=0, atol=1e-4, msg=f"rank {rank} {name}")
+
+
+def test_sequence_parallel_plan_marks_the_holders_on_the_sequence_shard_sum() -> None:
+    with torch.device("meta"):
+        model = make_model()
+    p = fsdptx.plan(model, functools.partial(fsdptx.tensor_parallel, sequence_parallel=True))
+    assert {k: v for k, v in p.reductions.items() if "sinks" in k} == {
+        f"layers.{i}.sinks.weight": "sum" for i in range(CFG.layers)
+    }
 
 
 def test_dp2_tp2_sequence_parallel_matches_single_process(runs: list[dict[str, dict[str, Any]]]) -> None:

@@ -297,3 +297,14 @@ def test_conflicting_marks_from_tp_plan_and_mark_reduction_are_an_error_in_eithe
     for pipeline in (compose(tensor_parallel, mark_reduction), compose(mark_reduction, tensor_parallel)):
         with pytest.raises(PlanningError, match="layers.0.mlp_norm.weight"):
             plan(model, pipeline)
+
+
+def test_without_sequence_parallelism_no_sum_mark_is_derived_for_stream_modules() -> None:
+    """Without SP the stream between TP regions is whole on every TP rank:
+    a holder on it computes the same gradient everywhere, so it keeps the
+    default mean (a derived sum would double its gradient)."""
+    from fsdptx.presets import Decoder, DecoderConfig
+
+    model = Decoder(DecoderConfig(vocab=16, dim=8, hidden=16, layers=2, fp32_holders=True))
+    p = fsdptx.plan(model, fsdptx.tensor_parallel)
+    assert not [k for k in p.reductions if "sinks" in k]

@@ -94,6 +94,9 @@ def tensor_parallel(
     norms of each block and of the backbone run on the local sequence shard
     (``SequenceParallel``); an input embedding outside the plan keeps its
     local sequence slice, and an output head outside the plan gathers it.
+    Plain parameters left on the sequence-sharded stream of a block (a
+    holder added to the residual, a gate) get a ``sum`` TP-replica mark:
+    each TP rank's gradient covers only its tokens.
     """
     from .._transforms import model_index  # local: _transforms re-exports this transform
 
@@ -148,6 +151,10 @@ def tensor_parallel(
         raise PlanningError("tensor_parallel: the TP plan does not fit the model:\n  - " + "\n  - ".join(problems))
     if sequence_parallel:
         _add_sequence_boundaries(model, index, assigned)
+        for fqn in _on_sequence_shard(index, assigned):
+            _mark_sum(index, fqn, reductions, "<sequence parallel>", problems)
+        if problems:
+            raise PlanningError("tensor_parallel: " + "; ".join(problems))
     tp = TensorParallel(
         assignments=tuple(assigned[f] for f in sorted(assigned)),
         sequence_parallel=sequence_parallel,
@@ -191,6 +198,33 @@ def _add_sequence_boundaries(model: nn.Module, index: ModelIndex, assigned: dict
     if head is not None and head not in assigned:
         gather = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),))
         assigned[head] = TPAssignment(head, "gather_sequence_input (sp)", "<sequence parallel>", gather)
+
+
+def _on_sequence_shard(index: ModelIndex, assigned: dict[str, TPAssignment]) -> list[str]:
+    """Modules with plain parameters that run on the sequence-sharded stream.
+
+    Under sequence parallelism the residual stream between TP regions holds
+    each rank's slice of the tokens. A module there that no TP style covers
+    (a per-block holder added to the stream, a gate, a router) keeps a full
+    replica of its parameters but sees only its rank's tokens, so its
+    gradient on each TP rank is a partial sum over disjoint tokens: the
+    reduction that math requires is ``sum``. Modules inside a TP region
+    (under a gathering parent or a sharded projection) are not on the
+    stream, and neither is anything outside the blocks.
+    """
+    blocks = index.blocks
+    found = []
+    for fqn, module in index.modules.items():
+        if fqn in assigned or not any(p is not None for p in module._parameters.values()):
+            continue
+        block = next((b for b in blocks if fqn.startswith(b + ".")), None)
+        if block is None:
+            continue
+        parts = fqn[len(block) + 1 :].split(".")
+        covered = any(f"{block}.{'.'.join(parts[: i + 1])}" in assigned for i in range(len(parts) - 1))
+        if not covered:
+            found.append(fqn)
+    return found
 
 
 def _named_module(model: nn.Module, index: ModelIndex, getter: str) -> str | None:
