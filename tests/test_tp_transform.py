@@ -303,8 +303,6 @@ def test_without_sequence_parallelism_no_sum_mark_is_derived_for_stream_modules(
     """Without SP the stream between TP regions is whole on every TP rank:
     a holder on it computes the same gradient everywhere, so it keeps the
     default mean (a derived sum would double its gradient)."""
-    from fsdptx.presets import Decoder, DecoderConfig
-
     model = Decoder(DecoderConfig(vocab=16, dim=8, hidden=16, layers=2, fp32_holders=True))
-    p = fsdptx.plan(model, fsdptx.tensor_parallel)
+    p = plan(model, tensor_parallel)
     assert not [k for k in p.reductions if "sinks" in k]
