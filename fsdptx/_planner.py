@@ -340,20 +340,21 @@ def param_keys(
     trainable, so they constrain no unit and join whichever claims them.
     """
     tokens = tuple(fp32_tokens)
-    cache: dict[tuple[torch.dtype, bool, object], DtypeKey] = {}
+    cache: dict[tuple[torch.dtype, bool, object], DtypeKey | None] = {}
     keys: dict[int, DtypeKey] = {}
     frozen: set[int] = set()
     aliases, param_fqn = index.aliases, index.param_fqn
     for pid, (dtype, _n, _b, hint, grad) in index.param_facts.items():
-        if not dtype.is_floating_point:
-            continue
         pinned = bool(tokens) and is_pinned(
             [param_fqn[pid], *aliases[pid]] if pid in aliases else (param_fqn[pid],), tokens
         )
         fact = (dtype, pinned, hint)
-        key = cache.get(fact)
+        key = cache.get(fact, _EMPTY)
+        if key is _EMPTY:
+            floating = dtype.is_floating_point
+            key = cache[fact] = (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy)) if floating else None
         if key is None:
-            key = cache[fact] = (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy))
+            continue
         keys[pid] = key
         if not grad:
             frozen.add(pid)
@@ -383,12 +384,14 @@ class _Survey:
     nothing trainable, so a frozen fp32 holder still computes in fp32.
     ``counts`` is parameters per group, each counted in its module's group.
     ``unsplittable`` lists the modules whose trainable direct parameters
-    themselves mix groups, with those parameters.
+    themselves mix groups, with those parameters. ``own`` is ``direct`` by
+    position in ``order`` (``_EMPTY`` for none), ready to fold.
     """
 
     order: list[nn.Module]
     parent: list[int]
     claimed: list[tuple[str, nn.Parameter]]
+    own: list[object]
     direct: dict[int, DtypeKey]
     counts: dict[DtypeKey, int]
     unsplittable: list[tuple[nn.Module, list[tuple[str, DtypeKey]]]]
@@ -400,6 +403,7 @@ def _survey_target(r: _Resolver, target: nn.Module) -> _Survey:
     direct: dict[int, DtypeKey] = {}
     counts: dict[DtypeKey, int] = {}
     unsplittable: list[tuple[nn.Module, list[tuple[str, DtypeKey]]]] = []
+    state: list[object] = []
     for m in order:
         own: DtypeKey | None = None
         mixed = False
@@ -427,14 +431,18 @@ def _survey_target(r: _Resolver, target: nn.Module) -> _Survey:
                 for p in m._parameters.values()
                 if p is not None and id(p) in keys and id(p) not in excluded and id(p) not in frozen
             ]
-            unsplittable.append((m, sorted(listed)))
+            unsplittable.append((m, sorted(listed, key=lambda item: item[0])))
+            state.append(_MIXED)
             continue
         if own is None and soft:
-            own = min(soft, key=lambda k: (-soft[k], str(k)))  # type: ignore[index]
-        if own is not None:
+            own = min(soft, key=lambda k: (-soft[k], str(k)))
+        if own is None:
+            state.append(_EMPTY)
+        else:
+            state.append(own)
             direct[id(m)] = own
             counts[own] = counts.get(own, 0) + n
-    return _Survey(order, parent, claimed, direct, counts, unsplittable)
+    return _Survey(order, parent, claimed, state, direct, counts, unsplittable)
 
 
 def _subtree_states(r: _Resolver, target: nn.Module, fqn: str, s: _Survey) -> dict[int, object]:
@@ -452,8 +460,7 @@ def _subtree_states(r: _Resolver, target: nn.Module, fqn: str, s: _Survey) -> di
             target, lambda m: (direct[id(m)],) if id(m) in direct else (), stop=r.sharded
         )
         return states
-    order, parent = s.order, s.parent
-    state: list[object] = [direct.get(id(m), _EMPTY) for m in order]
+    order, parent, state = s.order, s.parent, s.own  # folded in place: the survey is used once
     for i in range(len(order) - 1, 0, -1):
         folded, up = state[i], parent[i]
         if folded is _EMPTY or state[up] is _MIXED:
@@ -696,7 +703,9 @@ def plan_cross_block_units(
                 "_fsdp_shard_across_blocks or module_names="
             )
         below: list[str] = []
-        bad = _non_fp32(r, claim(index, found, r.sharded))
+        reached = claim(index, found, r.sharded)
+        claimed: list[tuple[str, nn.Parameter]] | None = reached
+        bad = _non_fp32(r, reached)
         if bad:
             direct = [
                 (index.param_fqn[id(p)], p)
@@ -715,7 +724,8 @@ def plan_cross_block_units(
                     "directly, or drop the name from the cross-block list"
                 )
             below = [f for holder in found for f in _split_children(r, holder, reshard)]
-        unit = r.add(found, "cross-block", policy, False, also_ignored=below)
+            claimed = None  # the children are units now: claim again
+        unit = r.add(found, "cross-block", policy, False, claimed, below)
         if not unit.params:
             raise PlanningError(
                 f"shard_across_blocks: {name!r} matched {len(found)} modules but they hold no "
