@@ -349,8 +349,9 @@ def param_keys(
             [param_fqn[pid], *aliases[pid]] if pid in aliases else (param_fqn[pid],), tokens
         )
         fact = (dtype, pinned, hint)
-        key = cache.get(fact, _EMPTY)
-        if key is _EMPTY:
+        try:
+            key = cache[fact]
+        except KeyError:  # a handful of distinct facts in a whole model
             floating = dtype.is_floating_point
             key = cache[fact] = (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy)) if floating else None
         if key is None:
@@ -380,8 +381,10 @@ class _Survey:
     ``direct`` is each module's own group: the (storage, compute) key of its
     trainable direct parameters, or, when it has none, of its frozen ones
     (the most numerous key, ties broken by name). Frozen parameters thus
-    never split a module; they only decide the group of a module holding
-    nothing trainable, so a frozen fp32 holder still computes in fp32.
+    never make a module unplannable and never split one holding trainable
+    parameters (they join its unit, computing in its dtype); they decide the
+    group only of a module holding nothing trainable, so a frozen fp32 holder
+    (a LoRA base model's sinks) still gets a unit computing in fp32.
     ``counts`` is parameters per group, each counted in its module's group.
     ``unsplittable`` lists the modules whose trainable direct parameters
     themselves mix groups, with those parameters. ``own`` is ``direct`` by
@@ -445,7 +448,7 @@ def _survey_target(r: _Resolver, target: nn.Module) -> _Survey:
     return _Survey(order, parent, claimed, state, direct, counts, unsplittable)
 
 
-def _subtree_states(r: _Resolver, target: nn.Module, fqn: str, s: _Survey) -> dict[int, object]:
+def _subtree_states(r: _Resolver, target: nn.Module, s: _Survey) -> dict[int, object]:
     """Each surveyed module's subtree as one group, ``_EMPTY`` or ``_MIXED``.
 
     On a tree (no module registered twice) the surveyed pre-order list is
@@ -573,7 +576,7 @@ def _plan_target(r: _Resolver, fqn: str, reshard: bool | int | None, is_root: bo
             r.add([target], kind, r.policy(only[1] if only else None, False), reshard, s.claimed)
         return
 
-    descent = _Descent(r, _subtree_states(r, target, fqn, s), s.direct, reshard, _ignored_in(r, s))
+    descent = _Descent(r, _subtree_states(r, target, s), s.direct, reshard, _ignored_in(r, s))
     own = s.direct.get(id(target))
     if len(s.counts) == 2:
         # Fewest parameters is the minority; a tie is broken by the dtype
@@ -750,7 +753,7 @@ def _split_children(r: _Resolver, holder: nn.Module, reshard: bool | int | None)
     fqn = r.index.fqn_of_module[id(holder)]
     if s.unsplittable:
         raise PlanningError(_unsplittable_message(r.index, s.unsplittable, fqn))
-    descent = _Descent(r, _subtree_states(r, holder, fqn, s), s.direct, reshard, _ignored_in(r, s))
+    descent = _Descent(r, _subtree_states(r, holder, s), s.direct, reshard, _ignored_in(r, s))
     descent.split(fqn, holder)
     return descent.scope
 
