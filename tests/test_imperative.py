@@ -152,6 +152,16 @@ def test_by_dtype_shards_children_before_modules_holding_the_minority_directly()
     assert prim.targets() == [block.mlp.down, block.mlp.up, block.mlp, block.proj, block]
 
 
+def test_by_dtype_with_real_fully_shard_gives_direct_holders_units_of_their_own() -> None:
+    block = FP32Scaled()
+    with fake_mesh((2,), ("dp",)) as mesh:
+        fsdptx.fully_shard_by_dtype(block, mesh, None, None)
+        shift_group = fully_shard.state(block.mlp)._fsdp_param_group  # type: ignore[attr-defined]
+        owned = [fp.sharded_param for fp in shift_group.fsdp_params]
+    assert len(owned) == 1 and owned[0] is block.mlp.shift
+    assert all(isinstance(p, DTensor) for p in block.parameters())
+
+
 def test_by_dtype_raises_naming_every_directly_mixed_param_before_any_call() -> None:
     prim = RecordingPrimitive()
     with pytest.raises(ValueError) as info:
