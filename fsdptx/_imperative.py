@@ -19,6 +19,7 @@ from torch.distributed.fsdp import (
 from ._apply import ShardModule, apply_plan
 from ._plan import CrossBlockRequest, DtypeRequest, Plan
 from ._planner import ModelIndex, resolve_units
+from ._transforms import _tuple_of_str
 
 __all__ = [
     "configure_fsdp_unused_param_reduction",
@@ -34,7 +35,7 @@ def fully_shard_by_dtype(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None,
     offload_policy: OffloadPolicy | None,
-    fp32_compute_module_names: Sequence[str] = (),
+    fp32_compute_module_names: Sequence[str] | str = (),
     reshard_after_forward: bool | int | None = None,
     ignored_params: Collection[nn.Parameter] | None = None,
     *,
@@ -47,17 +48,28 @@ def fully_shard_by_dtype(
     own. Parameters group by (storage, compute) dtype: 1 group -> ``module``
     is one unit; 2 -> each maximal subtree of the smaller group alone, then
     ``module`` with the larger; 3+ -> every maximal uniform subtree alone
-    (plus ``module`` when it must keep ``ignored_params``). Everything is
-    planned first; a parameter that cannot be isolated raises ``ValueError``
-    naming it before anything is sharded. ``ignored_params`` (owned by another
-    unit or parallelism) are never grouped and are forwarded only to the
-    units that contain them.
+    (plus ``module`` when it holds parameters directly or must keep
+    ``ignored_params``). A submodule holding one group directly beside
+    children of another (fp32 ``sinks`` on a bf16 attention) gets its
+    children's units first, then a unit owning only its direct parameters.
+    Only trainable parameters must agree; frozen ones join their module's
+    unit. Everything is planned first: trainable parameters of different
+    groups directly on one module raise ``ValueError`` naming them before
+    anything is sharded.
+
+    ``fp32_compute_module_names`` is a sequence of name tokens; a single
+    string is one token, as everywhere in fsdptx (never its characters).
+    ``ignored_params`` (Parameters owned by another unit or parallelism;
+    names are refused with ``TypeError``) are never grouped and are forwarded
+    to the units whose subtree holds them, ``module``'s own unit included;
+    a ``module`` whose parameters are all ignored still gets its unit.
     """
+    tokens = _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
     index = ModelIndex.build(module)
-    ignored = tuple(index.param_fqn[id(p)] for p in ignored_params or () if id(p) in index.param_fqn)
+    ignored = tuple(index.param_fqn[id(p)] for p in _parameters(ignored_params) if id(p) in index.param_fqn)
     request = DtypeRequest(
         targets=("",),
-        fp32_compute_module_names=tuple(fp32_compute_module_names),
+        fp32_compute_module_names=tokens,
         ignored_params=ignored,
         reshard_after_forward=reshard_after_forward,
         always_shard_root=False,
@@ -73,9 +85,31 @@ def fully_shard_by_dtype(
     apply_plan(Plan(units=units), module, mesh, shard_module=shard_module)
 
 
+def _parameters(ignored_params: Collection[nn.Parameter] | None) -> list[nn.Parameter]:
+    """``ignored_params`` as a list, refusing what would otherwise be
+    silently dropped: names instead of Parameters, or one bare tensor."""
+    if ignored_params is None:
+        return []
+    if isinstance(ignored_params, (torch.Tensor, str)):
+        raise TypeError(
+            f"ignored_params must be a collection of nn.Parameter objects, got one {type(ignored_params).__name__}; "
+            "wrap it in a set"
+        )
+    items = list(ignored_params)
+    bad = [p for p in items if not isinstance(p, nn.Parameter)]
+    if bad:
+        shown = ", ".join(repr(p) if isinstance(p, str) else type(p).__name__ for p in bad[:5])
+        raise TypeError(
+            f"ignored_params must hold nn.Parameter objects, got {shown}"
+            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            + "; pass module.get_parameter(name) for a name"
+        )
+    return items
+
+
 def fully_shard_across_blocks(
     blocks: Sequence[nn.Module],
-    module_names: Sequence[str],
+    module_names: Sequence[str] | str,
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None,
     offload_policy: OffloadPolicy | None,
@@ -90,15 +124,20 @@ def fully_shard_across_blocks(
     unit computes and reduces in fp32, returns its natural output, and is not
     resharded after forward (a few KiB kept resident saves an all-gather per
     block and per checkpoint recompute). Checkpoint wrappers are looked
-    through. Returns the owned parameters as they are after sharding (DTensor
+    through. A name may point at a module holding fp32 parameters directly
+    beside children of other dtypes (``self_attn`` for GPT-OSS ``sinks``):
+    its children get dtype units first, so the cross-block unit owns only the
+    direct fp32 parameters. A single string is one name. Returns the
+    parameters of every unit made here as they are after sharding (DTensor
     parameters), for use as ``ignored_params`` of the enclosing units.
     """
+    names = _tuple_of_str(module_names, "module_names")
     holder = nn.ModuleList(blocks)  # a view for FQNs "0.attn.sinks"; blocks are not changed
     units = resolve_units(
         holder,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
-        cross_blocks=(CrossBlockRequest(tuple(str(i) for i in range(len(blocks))), tuple(module_names)),),
+        cross_blocks=(CrossBlockRequest(tuple(str(i) for i in range(len(blocks))), names),),
         dtype_request=None,
     )
     apply_plan(Plan(units=units), holder, mesh, shard_module=shard_module)

@@ -9,7 +9,7 @@ is visited a bounded number of times, so planning is linear in model size.
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Hashable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from ._dtypes import is_pinned, resolve_compute_dtype
 from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind
 from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
-from ._tree import get_module_from_path, join_fqn, maximal_uniform_subtrees
+from ._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
 
 __all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_units"]
 
@@ -51,8 +51,10 @@ def unwrap_checkpoint(module: nn.Module) -> nn.Module:
 class ModelIndex:
     """FQN <-> object tables for one model, built in one walk.
 
-    A tied parameter's canonical FQN is its smallest name (plain string order),
-    so every rank names it alike whatever the registration order; ``aliases``
+    A tied parameter's canonical FQN is the name its model declares as the
+    tie's source (Hugging Face ``_tied_weights_keys``: ``{target: source}``,
+    or a list of target names), else its smallest name (plain string order).
+    Both are rank-stable: neither depends on registration order. ``aliases``
     keeps its other names, because a pinned-fp32 token may appear in any.
     """
 
@@ -98,16 +100,52 @@ class ModelIndex:
             children = module._modules
             if children:
                 stack.extend((prefix + n, c) for n, c in reversed(children.items()) if c is not None)
+        if index.aliases:
+            index._prefer_declared_tie_sources()
         return index
 
+    def _prefer_declared_tie_sources(self) -> None:
+        """Rename tied parameters after the source their model declares.
+
+        A reader of a plan looks for ``model.embed_tokens.weight`` (what the
+        checkpoint stores and the model calls the source), not whichever alias
+        sorts first (``lm_head.weight``). Only exact parameter names count;
+        pattern-style declarations name no parameter and fall back to the
+        smallest name.
+        """
+        sources: dict[str, str] = {}  # target FQN -> source FQN
+        targets: set[str] = set()
+        for fqn, module in self.modules.items():
+            prefix = fqn + "." if fqn else ""
+            for attr in ("_tied_weights_keys", "all_tied_weights_keys"):
+                declared = getattr(module, attr, None)
+                if isinstance(declared, dict):
+                    sources.update(
+                        (prefix + t, prefix + s) for t, s in declared.items() if isinstance(t, str) and isinstance(s, str)
+                    )
+                elif isinstance(declared, (list, tuple, set, frozenset)):
+                    targets.update(prefix + t for t in declared if isinstance(t, str))
+        if not sources and not targets:
+            return
+        for pid, others in self.aliases.items():
+            names = sorted((self.param_fqn[pid], *others))
+            named = set(names)
+            declared_sources = sorted(sources[n] for n in names if sources.get(n) in named)
+            untargeted = [n for n in names if n not in targets] if named & targets else []
+            preferred = (declared_sources or untargeted or names)[0]
+            self.param_fqn[pid] = preferred
+            self.aliases[pid] = [n for n in names if n != preferred]
+
     @functools.cached_property
-    def param_facts(self) -> dict[int, tuple[torch.dtype, int, int, object]]:
+    def param_facts(self) -> dict[int, tuple[torch.dtype, int, int, object, bool]]:
         """Per parameter id: (storage dtype, numel, bytes, ``_hf_compute_dtype``
-        hint), read from each tensor once for all of planning."""
+        hint, requires_grad), read from each tensor once for all of planning."""
         facts = {}
         for p in self.param_objects:
             n = p.numel()
-            facts[id(p)] = (p.dtype, n, n * p.element_size(), getattr(p, "_hf_compute_dtype", None))
+            facts[id(p)] = (
+                p.dtype, n, n * p.element_size(), getattr(p, "_hf_compute_dtype", None), p.requires_grad
+            )
         return facts
 
     @property
@@ -180,6 +218,10 @@ class _Resolver:
     offload_policy: OffloadPolicy | None
     excluded: set[int]  # params owned elsewhere or ignored: never grouped, never claimed
     sharded: set[int]  # modules that are, or will be by then, FSDP modules
+    keys: dict[int, DtypeKey] = field(default_factory=dict)  # floating params' (storage, compute)
+    frozen: set[int] = field(default_factory=set)  # floating params without requires_grad
+    ignored: set[int] = field(default_factory=set)  # the request's ignored params
+    ignored_under: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> ignored params below
     units: list[Unit] = field(default_factory=list)
     owner: dict[int, int] = field(default_factory=dict)  # param id -> unit index
     policies: dict[tuple[torch.dtype | None, bool], MixedPrecisionPolicy | None] = field(default_factory=dict)
@@ -190,19 +232,27 @@ class _Resolver:
         kind: UnitKind,
         policy: MixedPrecisionPolicy | None,
         reshard: bool | int | None,
-        keys: dict[int, DtypeKey],
         claimed: list[tuple[str, nn.Parameter]] | None = None,
+        also_ignored: Collection[str] = (),
     ) -> Unit:
         """Record a unit owning what ``fully_shard(modules)`` would claim now
-        (``claimed``, when the caller has just computed it)."""
+        (``claimed``, when the caller has just computed it).
+
+        Its dtypes are those of its trainable parameters (frozen ones ride
+        along: FSDP2 only asks trainable parameters to agree). Its ignored
+        parameters are those it reaches, plus ``also_ignored``: the ignored
+        parameters below units nested in it by the same request, which the
+        seed forwards to the enclosing unit.
+        """
         if claimed is None:
             claimed = claim(self.index, modules, self.sharded)
         here = [self.index.fqn_of_module[id(m)] for m in modules]
-        excluded, owner, position = self.excluded, self.owner, len(self.units)
+        excluded, owner, position, keys, frozen = self.excluded, self.owner, len(self.units), self.keys, self.frozen
         facts = self.index.param_facts
         params: list[str] = []
-        ignored: list[str] = []
+        ignored: set[str] = set()
         unit_keys: set[DtypeKey] = set()
+        frozen_keys: set[DtypeKey] = set()
         numel = nbytes = 0
         for f, p in claimed:  # one pass: this runs for every unit of the plan
             pid = id(p)
@@ -215,23 +265,26 @@ class _Resolver:
                         "FSDP2 needs a shared parameter inside one unit: shard a common ancestor as "
                         "one unit (e.g. leave it to the root), or untie the parameter"
                     )
-                ignored.append(f)
+                ignored.add(f)
                 continue
             params.append(f)
-            unit_keys.add(keys[pid])
-            _dtype, n, b, _hint = facts[pid]
+            key = keys.get(pid)
+            if key is not None:
+                (frozen_keys if pid in frozen else unit_keys).add(key)
+            _dtype, n, b, _hint, _grad = facts[pid]
             numel += n
             nbytes += b
             excluded.add(pid)
             owner[pid] = position
+        ignored.update(also_ignored)
         params.sort()  # FQN order: a unit is a set, and its listing must not
-        ignored.sort()  # depend on the order a rank registered modules in
+        unit_keys = unit_keys or frozen_keys  # depend on the order a rank registered modules in
         storage = {k[0] for k in unit_keys}
         compute = {k[1] for k in unit_keys}
         unit = Unit(
             modules=tuple(here),
             params=tuple(params),
-            ignored_params=tuple(ignored),
+            ignored_params=tuple(sorted(ignored)),
             kind=kind,
             storage_dtype=storage.pop() if len(storage) == 1 else None,
             compute_dtype=compute.pop() if len(compute) == 1 else None,
@@ -255,27 +308,58 @@ class _Resolver:
             self.policies[key] = get_internal_fsdp_mp_policy(policy) if internal else policy
         return self.policies[key]
 
+    def ignore(self, fqns: Sequence[str]) -> None:
+        """Exclude the named parameters from every unit and remember, for each
+        module above one, which it may have to forward as ``ignored_params``."""
+        index = self.index
+        for fqn in fqns:
+            p = index.param_named(fqn)
+            if p is None:
+                raise PlanningError(f"shard_by_dtype: ignored parameter {fqn!r} is not a parameter of the model")
+            self.excluded.add(id(p))
+            self.ignored.add(id(p))
+            canonical = index.param_fqn[id(p)]
+            for name in index.names(p):
+                module = name.rpartition(".")[0]
+                while True:
+                    self.ignored_under.setdefault(module, set()).add(canonical)
+                    if not module:
+                        break
+                    module = module.rpartition(".")[0]
+
 
 def param_keys(
     index: ModelIndex, mp_policy: MixedPrecisionPolicy | None, fp32_tokens: Collection[str]
-) -> dict[int, DtypeKey]:
-    """(storage, compute) dtype of every parameter, resolved once from the
-    facts the index recorded (no tensor is consulted again); parameters with
-    equal facts share one resolution."""
+) -> tuple[dict[int, DtypeKey], set[int]]:
+    """(storage, compute) dtype of every floating parameter, and the ids of
+    the frozen ones among them.
+
+    Resolved once from the facts the index recorded (no tensor is consulted
+    again); parameters with equal facts share one resolution. Non-floating
+    parameters get no key: FSDP2 never casts them and they cannot be
+    trainable, so they constrain no unit and join whichever claims them.
+    """
     tokens = tuple(fp32_tokens)
-    cache: dict[tuple[torch.dtype, bool, object], DtypeKey] = {}
+    cache: dict[tuple[torch.dtype, bool, object], DtypeKey | None] = {}
     keys: dict[int, DtypeKey] = {}
+    frozen: set[int] = set()
     aliases, param_fqn = index.aliases, index.param_fqn
-    for pid, (dtype, _n, _b, hint) in index.param_facts.items():
+    for pid, (dtype, _n, _b, hint, grad) in index.param_facts.items():
         pinned = bool(tokens) and is_pinned(
             [param_fqn[pid], *aliases[pid]] if pid in aliases else (param_fqn[pid],), tokens
         )
         fact = (dtype, pinned, hint)
-        key = cache.get(fact)
+        try:
+            key = cache[fact]
+        except KeyError:  # a handful of distinct facts in a whole model
+            floating = dtype.is_floating_point
+            key = cache[fact] = (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy)) if floating else None
         if key is None:
-            key = cache[fact] = (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy))
+            continue
         keys[pid] = key
-    return keys
+        if not grad:
+            frozen.add(pid)
+    return keys, frozen
 
 
 def _shardable(fqn: str, module: nn.Module, stop: Collection[int] = ()) -> Iterator[tuple[str, nn.Module]]:
@@ -290,67 +374,234 @@ def _shardable(fqn: str, module: nn.Module, stop: Collection[int] = ()) -> Itera
             yield from _shardable(join_fqn(fqn, name), child, stop)
 
 
-def _plan_target(
-    r: _Resolver,
-    fqn: str,
-    keys: dict[int, DtypeKey],
-    reshard: bool | int | None,
-    is_root: bool,
-) -> None:
+@dataclass
+class _Survey:
+    """What ``fully_shard(target)`` would reach, summarised for planning.
+
+    ``direct`` is each module's own group: the (storage, compute) key of its
+    trainable direct parameters, or, when it has none, of its frozen ones
+    (the most numerous key, ties broken by name). Frozen parameters thus
+    never make a module unplannable and never split one holding trainable
+    parameters (they join its unit, computing in its dtype); they decide the
+    group only of a module holding nothing trainable, so a frozen fp32 holder
+    (a LoRA base model's sinks) still gets a unit computing in fp32.
+    ``counts`` is parameters per group, each counted in its module's group.
+    ``unsplittable`` lists the modules whose trainable direct parameters
+    themselves mix groups, with those parameters. ``own`` is ``direct`` by
+    position in ``order`` (``_EMPTY`` for none), ready to fold.
+    """
+
+    order: list[nn.Module]
+    parent: list[int]
+    claimed: list[tuple[str, nn.Parameter]]
+    own: list[object]
+    direct: dict[int, DtypeKey]
+    counts: dict[DtypeKey, int]
+    unsplittable: list[tuple[nn.Module, list[tuple[str, DtypeKey]]]]
+
+
+def _survey_target(r: _Resolver, target: nn.Module) -> _Survey:
+    order, parent, claimed = _survey(r.index, target, r.sharded)
+    excluded, keys, frozen, param_fqn = r.excluded, r.keys, r.frozen, r.index.param_fqn
+    direct: dict[int, DtypeKey] = {}
+    counts: dict[DtypeKey, int] = {}
+    unsplittable: list[tuple[nn.Module, list[tuple[str, DtypeKey]]]] = []
+    state: list[object] = []
+    for m in order:
+        own: DtypeKey | None = None
+        mixed = False
+        n = 0
+        soft: dict[DtypeKey, int] | None = None
+        for p in m._parameters.values():
+            if p is None:
+                continue
+            pid = id(p)
+            k = keys.get(pid)
+            if k is None or pid in excluded:
+                continue
+            n += 1
+            if pid in frozen:
+                if soft is None:
+                    soft = {}
+                soft[k] = soft.get(k, 0) + 1
+            elif own is None:
+                own = k
+            elif own != k:
+                mixed = True
+        if mixed:
+            listed = [
+                (param_fqn[id(p)], keys[id(p)])
+                for p in m._parameters.values()
+                if p is not None and id(p) in keys and id(p) not in excluded and id(p) not in frozen
+            ]
+            unsplittable.append((m, sorted(listed, key=lambda item: item[0])))
+            state.append(_MIXED)
+            continue
+        if own is None and soft:
+            own = min(soft, key=lambda k: (-soft[k], str(k)))
+        if own is None:
+            state.append(_EMPTY)
+        else:
+            state.append(own)
+            direct[id(m)] = own
+            counts[own] = counts.get(own, 0) + n
+    return _Survey(order, parent, claimed, state, direct, counts, unsplittable)
+
+
+def _subtree_states(r: _Resolver, target: nn.Module, s: _Survey) -> dict[int, object]:
+    """Each surveyed module's subtree as one group, ``_EMPTY`` or ``_MIXED``.
+
+    On a tree (no module registered twice) the surveyed pre-order list is
+    enough: children come after parents, so one backwards pass folds each
+    module's group into its parent's. A model with shared modules takes the
+    general walk of :func:`subtree_keys`, which sees a shared module from
+    every parent.
+    """
+    direct = s.direct
+    if r.index.shared_modules:
+        states, _shared = subtree_keys(
+            target, lambda m: (direct[id(m)],) if id(m) in direct else (), stop=r.sharded
+        )
+        return states
+    order, parent, state = s.order, s.parent, s.own  # folded in place: the survey is used once
+    for i in range(len(order) - 1, 0, -1):
+        folded, up = state[i], parent[i]
+        if folded is _EMPTY or state[up] is _MIXED:
+            continue
+        if state[up] is _EMPTY:
+            state[up] = folded
+        elif state[up] != folded:
+            state[up] = _MIXED
+    return {id(m): st for m, st in zip(order, state)}
+
+
+@dataclass
+class _Descent:
+    """Plans the units below one module whose subtree mixes groups.
+
+    Units come children before parents, siblings in name order (never
+    registration order), so every rank plans alike.
+    """
+
+    r: _Resolver
+    state: dict[int, object]
+    direct: dict[int, DtypeKey]
+    reshard: bool | int | None
+    scope: set[str]  # the ignored params the surveyed region holds
+    reached: set[int] = field(default_factory=set)  # params claimed by the units planned here
+
+    def children(self, fqn: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        sharded = self.r.sharded
+        return [
+            (join_fqn(fqn, name), child)
+            for name, child in sorted(module._modules.items())
+            if child is not None and id(child) not in sharded
+        ]
+
+    def uniform(self, fqn: str, module: nn.Module, key: DtypeKey) -> None:
+        """A uniform subtree: one unit (a container: one per element)."""
+        r = self.r
+        policy = r.policy(key[1], True)
+        for _f, child in _shardable(fqn, module, r.sharded):
+            claimed = claim(r.index, [child], r.sharded)
+            self.reached.update(id(p) for _q, p in claimed)
+            r.add([child], "dtype", policy, self.reshard, claimed)
+
+    def isolate(self, fqn: str, module: nn.Module, minority: DtypeKey) -> None:
+        """Two groups: every maximal minority subtree below ``module`` alone,
+        the majority left to the target. A module holding minority parameters
+        directly inside a mixed subtree is split (:meth:`split`)."""
+        for cf, child in self.children(fqn, module):
+            st = self.state.get(id(child), _EMPTY)
+            if st is _MIXED:
+                if self.direct.get(id(child)) == minority:
+                    self.split(cf, child)
+                    self.own(child)
+                else:
+                    self.isolate(cf, child, minority)
+            elif st == minority:
+                self.uniform(cf, child, minority)
+
+    def split(self, fqn: str, module: nn.Module) -> None:
+        """Give every parameter below ``module`` a unit below it, so that a
+        unit of ``module`` then owns only its direct parameters: fully_shard
+        stops at submodules already sharded."""
+        for cf, child in self.children(fqn, module):
+            st = self.state.get(id(child), _EMPTY)
+            if st is _MIXED:
+                self.split(cf, child)
+                self.own(child)
+            elif st is not _EMPTY:
+                self.uniform(cf, child, st)  # type: ignore[arg-type]
+
+    def own(self, module: nn.Module) -> None:
+        """The unit of a split module, owning its direct parameters (and any
+        key-less ones left below it). A module without direct parameters gets
+        none: what is left below it goes to the enclosing unit."""
+        key = self.direct.get(id(module))
+        if key is None:
+            return
+        r = self.r
+        claimed = claim(r.index, [module], r.sharded)
+        self.reached.update(id(p) for _q, p in claimed)
+        below = r.ignored_under.get(r.index.fqn_of_module[id(module)], set()) & self.scope if self.scope else ()
+        r.add([module], "dtype", r.policy(key[1], True), self.reshard, claimed, below)
+
+
+def _plan_target(r: _Resolver, fqn: str, reshard: bool | int | None, is_root: bool) -> None:
     """Plan the dtype units of one target module (a block, or the root ``""``).
 
     1 (storage, compute) group -> the target alone; 2 groups -> every maximal
     subtree of the minority group alone, then the target with the majority;
-    3+ -> every maximal uniform subtree alone, plus the target when it must
-    keep ignored parameters (or is the root). Child units are internal (no
-    ``output_dtype``); the target keeps the caller's boundary policy.
+    3+ -> every maximal uniform subtree alone, then the target when it holds
+    parameters directly, must keep ignored ones, or is the root. Wherever a
+    module holds one group directly but its subtree mixes groups (fp32
+    ``sinks`` or ``A_log`` on a bf16 attention or mixer module), its children
+    get units first and then it gets a unit owning only its direct
+    parameters; the target too, when its direct parameters are the 2-group
+    minority. Child units are internal (no ``output_dtype``); the target
+    keeps the caller's boundary policy.
     """
     index = r.index
     target = index.module(fqn, "shard_by_dtype target")
     if id(target) in r.sharded:
         return
     kind: UnitKind = "root" if is_root else "block"
-    order, parent, claimed = _survey(index, target, r.sharded)
-    excluded = r.excluded
-    counts: dict[DtypeKey, int] = {}
-    for _f, p in claimed:
-        if id(p) not in excluded:
-            k = keys[id(p)]
-            counts[k] = counts.get(k, 0) + 1
-    has_ignored = len(claimed) > sum(counts.values())
-    groups = list(counts)
-    if len(groups) <= 1:
-        if groups or is_root:
-            r.add([target], kind, r.policy(groups[0][1] if groups else None, False), reshard, keys, claimed)
+    s = _survey_target(r, target)
+    if s.unsplittable:
+        raise PlanningError(_unsplittable_message(r.index, s.unsplittable, fqn))
+    if len(s.counts) <= 1:
+        if s.claimed or is_root:
+            only = next(iter(s.counts), None)
+            r.add([target], kind, r.policy(only[1] if only else None, False), reshard, s.claimed)
         return
 
-    subtrees = _maximal_uniform_children(r, target, fqn, keys, order, parent)
-    majority: DtypeKey | None = None
-    if len(groups) == 2:
+    descent = _Descent(r, _subtree_states(r, target, s), s.direct, reshard, _ignored_in(r, s))
+    own = s.direct.get(id(target))
+    if len(s.counts) == 2:
         # Fewest parameters is the minority; a tie is broken by the dtype
         # names, never by registration order, so every rank plans alike.
-        minority = min(groups, key=lambda k: (counts[k], str(k)))
-        majority = groups[0] if minority == groups[1] else groups[1]
-        subtrees = [(f, m, k) for f, m, k in subtrees if k == minority]
-    subtrees.sort(key=lambda item: item[0])
-    reached_by_children: set[int] = set()
-    for f, m, key in subtrees:
-        policy = r.policy(key[1], True)  # type: ignore[index]
-        for _cf, child in _shardable(f, m, r.sharded):
-            child_claimed = claim(index, [child], r.sharded)
-            reached_by_children.update(id(p) for _q, p in child_claimed)
-            r.add([child], "dtype", policy, reshard, keys, child_claimed)
+        counts = s.counts
+        minority = min(counts, key=lambda k: (counts[k], str(k)))
+        if own == minority:
+            descent.split(fqn, target)
+        else:
+            descent.isolate(fqn, target, minority)
+            own = next(k for k in counts if k != minority)
+    else:
+        descent.split(fqn, target)
     if index.tied:  # a tied parameter may be reachable both inside and outside a child
         rest = claim(index, [target], r.sharded)
     else:  # otherwise the target now reaches exactly what its children no longer leave it
-        rest = [(f, p) for f, p in claimed if id(p) not in reached_by_children]
-    stray = [(f, keys[id(p)]) for f, p in rest if id(p) not in excluded and keys[id(p)] != majority]
-    if stray:
-        raise PlanningError(_isolation_message(stray, fqn))
-    if majority is not None:
-        r.add([target], kind, r.policy(majority[1], False), reshard, keys, rest)
-    elif is_root or has_ignored:
-        r.add([target], kind, r.policy(None, False), reshard, keys, rest)
+        rest = [(f, p) for f, p in s.claimed if id(p) not in descent.reached]
+    if own is not None or rest or is_root or descent.scope:
+        r.add([target], kind, r.policy(own[1] if own else None, False), reshard, rest, descent.scope)
+
+
+def _ignored_in(r: _Resolver, s: _Survey) -> set[str]:
+    """The ignored parameters a survey reached: forwarded to its target's unit."""
+    ignored = r.ignored
+    return {f for f, p in s.claimed if id(p) in ignored} if ignored else set()
 
 
 def _survey(
@@ -383,83 +634,29 @@ def _survey(
     return order, parent, claimed
 
 
-_MIXED_KEY = object()
+def _dtype_pair(key: DtypeKey) -> str:
+    return f"{str(key[0]).removeprefix('torch.')}->{str(key[1]).removeprefix('torch.')}"
 
 
-def _maximal_uniform_children(
-    r: _Resolver,
-    target: nn.Module,
-    fqn: str,
-    keys: dict[int, DtypeKey],
-    order: list[nn.Module],
-    parent: list[int],
-) -> list[tuple[str, nn.Module, Hashable]]:
-    """The maximal (storage, compute)-uniform proper subtrees of ``target``.
-
-    On a tree (no module registered twice) the surveyed pre-order list is
-    enough: children come after parents, so one backwards pass folds each
-    module's key set into its parent's, and a uniform module is maximal
-    exactly when its parent is mixed. A model with shared modules takes the
-    general walk of :func:`maximal_uniform_subtrees`.
-    """
-    excluded = r.excluded
-    if r.index.shared_modules:
-
-        def key_of(m: nn.Module) -> list[Hashable]:
-            return [keys[id(p)] for p in m._parameters.values() if p is not None and id(p) not in excluded]
-
-        found = maximal_uniform_subtrees(target, key_of, fqn, stop=r.sharded)
-        return [(f, m, k) for f, m, k in found if m is not target]
-    state: list[object] = [None] * len(order)  # None: no parameter seen yet
-    for i, m in enumerate(order):
-        for p in m._parameters.values():
-            if p is not None and id(p) not in excluded:
-                k = keys[id(p)]
-                if state[i] is None:
-                    state[i] = k
-                elif state[i] != k:
-                    state[i] = _MIXED_KEY
-                    break
-    for i in range(len(order) - 1, 0, -1):
-        folded, up = state[i], parent[i]
-        if folded is None or state[up] is _MIXED_KEY:
-            continue
-        if state[up] is None:
-            state[up] = folded
-        elif state[up] != folded:
-            state[up] = _MIXED_KEY
-    fqn_of = r.index.fqn_of_module
-    return [
-        (fqn_of[id(order[i])], order[i], state[i])  # type: ignore[misc]
-        for i in range(1, len(order))
-        if state[i] is not None and state[i] is not _MIXED_KEY and state[parent[i]] is _MIXED_KEY
-    ]
-
-
-def _isolation_message(stray: list[tuple[str, DtypeKey]], target: str) -> str:
-    owners = sorted({f.rpartition(".")[0] or "<root>" for f, _ in stray})
-    listed = ", ".join(
-        f"{f} ({str(k[0]).removeprefix('torch.')}->{str(k[1]).removeprefix('torch.')})" for f, k in stray
+def _unsplittable_message(
+    index: ModelIndex, found: list[tuple[nn.Module, list[tuple[str, DtypeKey]]]], target: str
+) -> str:
+    modules = "; ".join(
+        f"{index.fqn_of_module[id(m)] or '<root>'} holds "
+        + ", ".join(f"{f} ({_dtype_pair(k)})" for f, k in params)
+        for m, params in found
     )
     return (
         f"cannot give every parameter of {target or '<root>'!r} a dtype-uniform FSDP unit: "
-        f"{listed} sit directly on module(s) {', '.join(owners)}, whose subtree also holds "
-        "parameters of another (storage, compute) dtype, so no unit can hold them alone. Move "
-        "them into a submodule of their own, give them one storage dtype, or pass them as "
-        "ignored_params."
+        f"trainable parameters of different (storage->compute) dtypes sit directly on one module "
+        f"({modules}). fully_shard claims all direct parameters of a module together, and a unit "
+        "needs one storage dtype and computes in one dtype. Split the module: move the parameters "
+        "of one dtype into a submodule of their own, or give them one storage dtype."
     )
 
 
-def plan_dtype_units(
-    r: _Resolver, request: DtypeRequest, fp32_tokens: Collection[str]
-) -> None:
+def plan_dtype_units(r: _Resolver, request: DtypeRequest) -> None:
     index = r.index
-    keys = param_keys(index, r.mp_policy, fp32_tokens)
-    for fqn in request.ignored_params:
-        p = index.param_named(fqn)
-        if p is None:
-            raise PlanningError(f"shard_by_dtype: ignored parameter {fqn!r} is not a parameter of the model")
-        r.excluded.add(id(p))
     for fqn in request.targets:
         target = index.module(fqn, "shard_by_dtype target")
         if id(target) in index.sharded:
@@ -469,11 +666,11 @@ def plan_dtype_units(
             )
         for element, _m in _shardable(fqn, target):  # a ModuleList target means its elements
             is_root = element == "" and request.always_shard_root
-            _plan_target(r, element, keys, request.reshard_after_forward, is_root)
+            _plan_target(r, element, request.reshard_after_forward, is_root)
 
 
 def plan_cross_block_units(
-    r: _Resolver, blocks: Sequence[str], names: Sequence[str]
+    r: _Resolver, blocks: Sequence[str], names: Sequence[str], reshard: bool | int | None
 ) -> None:
     """One unit per dotted name, spanning every block's instance of it.
 
@@ -482,6 +679,12 @@ def plan_cross_block_units(
     backward; one unit across blocks makes that one collective, and keeping it
     unsharded after forward (a few KiB) avoids a re-gather per block and per
     checkpoint recompute.
+
+    A name may also point at a module that holds fp32 parameters directly
+    beside children of other dtypes (GPT-OSS ``self_attn.sinks`` beside the
+    bf16 projections): each instance's children get their dtype units first
+    (``reshard`` as the dtype request's), so the cross-block unit owns only
+    the direct fp32 parameters.
     """
     index = r.index
     repeated = sorted({n for n in names if list(names).count(n) > 1})
@@ -502,22 +705,57 @@ def plan_cross_block_units(
                 f"(searched {len(blocks)} blocks: {_preview(blocks)}); fix the name in "
                 "_fsdp_shard_across_blocks or module_names="
             )
-        claimed = claim(index, found, r.sharded)
-        bad = [(f, p.dtype) for f, p in claimed if p.dtype != torch.float32 and id(p) not in r.excluded]
+        below: list[str] = []
+        reached = claim(index, found, r.sharded)
+        claimed: list[tuple[str, nn.Parameter]] | None = reached
+        bad = _non_fp32(r, reached)
         if bad:
-            raise PlanningError(
-                f"shard_across_blocks: {name!r} must hold only fp32 parameters (its unit computes "
-                "and reduces in fp32), but "
-                + ", ".join(f"{f} is {str(d).removeprefix('torch.')}" for f, d in bad)
-                + "; store them in fp32 or drop the name from the cross-block list"
-            )
-        keys = {id(p): (p.dtype, p.dtype) for _f, p in claimed}  # all fp32, computing in fp32
-        unit = r.add(found, "cross-block", policy, False, keys, claimed)
+            direct = [
+                (index.param_fqn[id(p)], p)
+                for m in found
+                for p in m._parameters.values()
+                if p is not None and id(p) not in r.excluded
+            ]
+            bad_direct = _non_fp32(r, direct)
+            if bad_direct or not direct:
+                where = "directly" if bad_direct else "in its subtree, and none directly"
+                raise PlanningError(
+                    f"shard_across_blocks: {name!r} must hold fp32 parameters (its unit computes and "
+                    f"reduces in fp32), but holds {where} "
+                    + ", ".join(f"{f} is {str(p.dtype).removeprefix('torch.')}" for f, p in bad_direct or bad)
+                    + "; store them in fp32, name the module that holds the fp32 parameters "
+                    "directly, or drop the name from the cross-block list"
+                )
+            below = [f for holder in found for f in _split_children(r, holder, reshard)]
+            claimed = None  # the children are units now: claim again
+        unit = r.add(found, "cross-block", policy, False, claimed, below)
         if not unit.params:
             raise PlanningError(
                 f"shard_across_blocks: {name!r} matched {len(found)} modules but they hold no "
                 "parameter not already owned by another unit"
             )
+
+
+def _non_fp32(r: _Resolver, claimed: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+    """The trainable claimed parameters not stored in fp32 (frozen ones ride along)."""
+    return [
+        (f, p)
+        for f, p in claimed
+        if p.dtype != torch.float32 and p.requires_grad and id(p) not in r.excluded
+    ]
+
+
+def _split_children(r: _Resolver, holder: nn.Module, reshard: bool | int | None) -> set[str]:
+    """Dtype units for everything below ``holder``, so that a unit of it then
+    owns only its direct parameters; returns the ignored parameters below it,
+    for that unit to forward."""
+    s = _survey_target(r, holder)
+    fqn = r.index.fqn_of_module[id(holder)]
+    if s.unsplittable:
+        raise PlanningError(_unsplittable_message(r.index, s.unsplittable, fqn))
+    descent = _Descent(r, _subtree_states(r, holder, s), s.direct, reshard, _ignored_in(r, s))
+    descent.split(fqn, holder)
+    return descent.scope
 
 
 def _preview(items: Sequence[str], n: int = 3) -> str:
@@ -535,14 +773,21 @@ def resolve_units(
     index: ModelIndex | None = None,
 ) -> tuple[Unit, ...]:
     """All units, in application order: cross-block units first (their
-    holders are excluded from dtype grouping whatever the transform order),
-    then each dtype target's children before the target itself."""
+    holders are excluded from dtype grouping whatever the transform order;
+    a holder's children of other dtypes just before it), then each dtype
+    target's children before the target itself. Ignored parameters are
+    excluded before anything is planned, so no unit owns them."""
     idx = index or ModelIndex.build(model)
-    r = _Resolver(idx, mp_policy, offload_policy, excluded=set(), sharded=set(idx.sharded))
-    for req in cross_blocks:
-        plan_cross_block_units(r, req.blocks, req.names)
+    tokens = dtype_request.fp32_compute_module_names if dtype_request is not None else ()
+    keys, frozen = param_keys(idx, mp_policy, tokens)
+    r = _Resolver(idx, mp_policy, offload_policy, excluded=set(), sharded=set(idx.sharded), keys=keys, frozen=frozen)
+    reshard = dtype_request.reshard_after_forward if dtype_request is not None else None
     if dtype_request is not None:
-        plan_dtype_units(r, dtype_request, dtype_request.fp32_compute_module_names)
+        r.ignore(dtype_request.ignored_params)
+    for req in cross_blocks:
+        plan_cross_block_units(r, req.blocks, req.names, reshard)
+    if dtype_request is not None:
+        plan_dtype_units(r, dtype_request)
     return tuple(r.units)
 
 

@@ -6,7 +6,11 @@ Trees come from :mod:`fsdptx.testing.strategies`. Two families are used:
   properties that must hold whether or not planning succeeds;
 * "leafy" trees, whose parameters sit only on leaf modules and each leaf is
   dtype-uniform: every parameter there can be given a dtype-uniform unit, so
-  planning must succeed and the plan can be applied with real ``fully_shard``.
+  planning must succeed and the plan can be applied with real ``fully_shard``;
+* "direct-uniform" trees, whose modules may hold parameters directly beside
+  children of other dtypes but never mix dtypes directly on one module: a
+  module's direct parameters get a unit of their own, so these too must plan
+  and apply.
 """
 
 from __future__ import annotations
@@ -58,6 +62,18 @@ def leafy(spec: ModuleSpec) -> ModuleSpec:
 leafy_trees = tree_specs(max_ties=0).map(lambda t: TreeSpec(leafy(t.root)))
 
 
+def direct_uniform(spec: ModuleSpec) -> ModuleSpec:
+    """The same tree with each module keeping only the parameters of its first
+    parameter's dtype (parameters stay on inner modules)."""
+    kept = tuple(p for p in spec.params if p.dtype == spec.params[0].dtype) if spec.params else ()
+    return dataclasses.replace(
+        spec, params=kept, children=tuple((n, direct_uniform(c)) for n, c in spec.children)
+    )
+
+
+direct_uniform_trees = tree_specs(max_ties=0).map(lambda t: TreeSpec(direct_uniform(t.root)))
+
+
 def child_names(model: nn.Module) -> list[str]:
     return [n for n, c in model.named_children()]
 
@@ -82,15 +98,11 @@ def dtype_key(p: torch.Tensor, mp_policy: MixedPrecisionPolicy | None) -> tuple[
     return (p.dtype, p.dtype)
 
 
-def holds_direct_params_in_mixed_subtree(model: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> bool:
-    """Whether some module holds parameters directly while its subtree mixes
-    (storage, compute) dtypes: the only shape of tree that can leave a
+def mixes_groups_directly(model: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> bool:
+    """Whether some module holds parameters of two (storage, compute) groups
+    directly: the only shape of tree (without ties) that can leave a
     parameter without a dtype-uniform unit."""
-    for m in model.modules():
-        if any(True for _ in m.parameters(recurse=False)):
-            if len({dtype_key(p, mp_policy) for p in m.parameters()}) > 1:
-                return True
-    return False
+    return any(len({dtype_key(p, mp_policy) for p in m.parameters(recurse=False)}) > 1 for m in model.modules())
 
 
 def fsdp_groups(model: nn.Module) -> list[object]:
@@ -140,19 +152,19 @@ def test_planning_never_changes_the_model(
 
 @PLAN_SETTINGS
 @given(spec=tree_specs(max_ties=0), mp_policy=policies, data=st.data())
-def test_planning_error_needs_a_module_with_direct_params_in_a_mixed_subtree(
+def test_planning_error_needs_a_module_mixing_groups_directly(
     spec: TreeSpec, mp_policy: MixedPrecisionPolicy | None, data: st.DataObject
 ) -> None:
     """Invariant: on a tree without tied parameters, ``shard_by_dtype`` only
-    fails when some module holds parameters directly while its own subtree
-    mixes (storage, compute) dtypes; such a parameter has no dtype-uniform
-    subtree to live in. The error names the parameters."""
+    fails when some module holds parameters of two (storage, compute) groups
+    directly: fully_shard claims a module's direct parameters together. The
+    error names the parameters."""
     model = build_module(spec)
     blocks = data.draw(block_choices(model))
     try:
         fsdptx.plan(model, by_dtype(blocks, ()), mp_policy=mp_policy)
     except PlanningError as e:
-        assert holds_direct_params_in_mixed_subtree(model, mp_policy), str(e)
+        assert mixes_groups_directly(model, mp_policy), str(e)
         assert any(f in str(e) for f, _ in model.named_parameters())
 
 
@@ -233,15 +245,50 @@ def test_applied_fsdp_groups_are_storage_dtype_uniform(
         assert len({q.dtype for q in g if q.requires_grad}) <= 1
 
 
+@APPLY_SETTINGS
+@given(spec=direct_uniform_trees, mp_policy=policies, tokens=fp32_tokens, world=st.sampled_from([2, 4]), data=st.data())
+def test_direct_uniform_trees_plan_and_apply_with_every_parameter_in_one_uniform_group(
+    spec: TreeSpec,
+    mp_policy: MixedPrecisionPolicy | None,
+    tokens: tuple[str, ...],
+    world: int,
+    data: st.DataObject,
+) -> None:
+    """Invariant: when no module mixes dtypes directly, ``shard_by_dtype``
+    succeeds even with parameters on inner modules, ``apply_plan`` with real
+    ``fully_shard`` accepts the plan (every unit claims what the plan says),
+    each parameter lands in exactly one FSDP group, and each group is
+    storage-dtype uniform; each unit's policy computes in its compute dtype."""
+    model = build_module(spec)
+    blocks = data.draw(block_choices(model))
+    p = fsdptx.plan(model, by_dtype(blocks, tokens), mp_policy=mp_policy)
+    params = dict(model.named_parameters())
+    for u in p.units:
+        if u.params:
+            assert {params[f].dtype for f in u.params} == {u.storage_dtype}
+            if u.mp_policy is not None:
+                assert u.mp_policy.param_dtype == u.compute_dtype
+    groups = apply_on_fake_mesh(model, p, world)
+    for f, param in model.named_parameters():
+        assert sum(any(q is param for q in g) for g in groups) == 1, f
+    for g in groups:
+        assert len({q.dtype for q in g}) <= 1
+
+
 # --------------------------------------------------------------------------- compose
 
 
 def fp32_holders(block: nn.Module) -> list[str]:
-    """Block-relative FQNs of submodules holding only fp32 parameters (at least one)."""
+    """Block-relative FQNs of submodules holding only fp32 parameters (at
+    least one), in their subtree or directly (beside children of any dtype)."""
     return [
         f
         for f, m in block.named_modules()
-        if f and (ps := list(m.parameters())) and all(q.dtype == FP32 for q in ps)
+        if f
+        and any(
+            (ps := list(m.parameters(recurse=recurse))) and all(q.dtype == FP32 for q in ps)
+            for recurse in (True, False)
+        )
     ]
 
 

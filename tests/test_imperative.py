@@ -52,8 +52,8 @@ def by_dtype(
 
 
 class FP32Scaled(nn.Module):
-    """A block whose own fp32 ``scale`` sits beside bf16 submodules: it cannot
-    be given a dtype-uniform unit."""
+    """A block whose own fp32 ``scale`` sits beside bf16 submodules, and whose
+    mlp holds an fp32 ``shift`` directly beside bf16 linears."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,6 +61,17 @@ class FP32Scaled(nn.Module):
         self.proj = CastLinear(DIM, DIM, BF16)
         self.scale = nn.Parameter(torch.ones(DIM, dtype=FP32))
         self.mlp.shift = nn.Parameter(torch.zeros(DIM, dtype=FP32))
+
+
+class ForgetGate(nn.Module):
+    """Kimi-Linear style: fp32 ``dt_bias`` and bf16 ``A_log`` directly on one
+    module beside bf16 projections; no unit can hold both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = CastLinear(DIM, DIM, BF16)
+        self.dt_bias = nn.Parameter(torch.zeros(DIM, dtype=FP32))
+        self.A_log = nn.Parameter(torch.zeros(DIM, dtype=BF16))
 
 
 # --------------------------------------------------------------------------- fully_shard_by_dtype
@@ -135,11 +146,29 @@ def test_by_dtype_ignores_ignored_params_from_outside_the_module() -> None:
     assert prim.targets() == [mlp] and "ignored_params" not in prim.calls[0][1]
 
 
-def test_by_dtype_raises_naming_every_unisolable_param_before_any_call() -> None:
+def test_by_dtype_shards_children_before_modules_holding_the_minority_directly() -> None:
+    block = FP32Scaled()
+    prim = by_dtype(block)
+    assert prim.targets() == [block.mlp.down, block.mlp.up, block.mlp, block.proj, block]
+
+
+def test_by_dtype_with_real_fully_shard_gives_direct_holders_units_of_their_own() -> None:
+    block = FP32Scaled()
+    with fake_mesh((2,), ("dp",)) as mesh:
+        fsdptx.fully_shard_by_dtype(block, mesh, None, None)
+        shift_group = fully_shard.state(block.mlp)._fsdp_param_group  # type: ignore[attr-defined]
+        owned = [fp.sharded_param for fp in shift_group.fsdp_params]
+    assert len(owned) == 1 and owned[0] is block.mlp.shift
+    assert all(isinstance(p, DTensor) for p in block.parameters())
+
+
+def test_by_dtype_raises_naming_every_directly_mixed_param_before_any_call() -> None:
     prim = RecordingPrimitive()
     with pytest.raises(ValueError) as info:
-        fsdptx.fully_shard_by_dtype(FP32Scaled(), MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
-    assert "scale" in str(info.value) and "mlp.shift" in str(info.value)
+        fsdptx.fully_shard_by_dtype(ForgetGate(), MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "dt_bias (float32->float32)" in message and "A_log (bfloat16->bfloat16)" in message
+    assert "ignored_params" not in message
     assert prim.calls == []
 
 

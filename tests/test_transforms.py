@@ -401,9 +401,12 @@ class NeedsHolderClaimed(nn.Module):
             self.layers.append(block)
 
 
-def test_shard_by_dtype_alone_cannot_plan_block_whose_majority_is_a_cross_block_holder() -> None:
-    with pytest.raises(PlanningError, match=r"layers\.0\.w"):
-        fsdptx.plan(NeedsHolderClaimed(), fsdptx.shard_by_dtype)
+def test_shard_by_dtype_alone_splits_block_whose_direct_params_are_the_minority() -> None:
+    # Without the cross-block unit, bf16 is the minority and sits directly on
+    # the block: the children get units and the block keeps only its own w.
+    p = fsdptx.plan(NeedsHolderClaimed(), fsdptx.shard_by_dtype)
+    assert unit_modules(p)[:3] == [("layers.0.h",), ("layers.0.x",), ("layers.0",)]
+    assert unit_for(p, "layers.0").params == ("layers.0.w",)
 
 
 def test_compose_plans_cross_block_holders_first_in_all_six_orders() -> None:
@@ -515,17 +518,25 @@ def test_parameter_marked_both_mean_and_sum_raises_naming_it() -> None:
         fsdptx.plan(make_decoder(), transform)
 
 
-def test_mixed_dtype_module_raises_naming_every_unisolable_parameter() -> None:
+def test_module_mixing_trainable_dtypes_directly_raises_naming_every_such_parameter() -> None:
     model = make_decoder()
-    model.layers[1].scale = param(DIM, dtype=FP32)
-    model.layers[1].attn.bias_fp32 = param(DIM, dtype=FP32)
-    model.layers[1].attn.extra_fp32 = param(DIM, dtype=FP32)
+    model.layers[1].attn.bias_fp32 = param(DIM, dtype=FP32)  # fp32 beside a bf16 one, both on attn
+    model.layers[1].attn.scale_bf16 = param(DIM, dtype=BF16)
     with pytest.raises(PlanningError) as info:
         fsdptx.plan(model, fsdptx.shard_by_dtype, mp_policy=BF16_POLICY)
     message = str(info.value)
-    for fqn in ("layers.1.scale", "layers.1.attn.bias_fp32", "layers.1.attn.extra_fp32"):
-        assert fqn in message
-    assert "'layers.1'" in message
+    assert "layers.1.attn.bias_fp32 (float32->bfloat16)" in message
+    assert "layers.1.attn.scale_bf16 (bfloat16->bfloat16)" in message
+    assert "'layers.1'" in message and "Split the module" in message
+
+
+def test_fp32_params_directly_on_block_and_attention_get_units_of_their_own() -> None:
+    model = make_decoder()
+    model.layers[1].scale = param(DIM, dtype=FP32)
+    model.layers[1].attn.bias_fp32 = param(DIM, dtype=FP32)
+    p = fsdptx.plan(model, fsdptx.shard_by_dtype, mp_policy=BF16_POLICY)
+    assert unit_for(p, "layers.1.attn").params == ("layers.1.attn.bias_fp32",)
+    assert unit_for(p, "layers.1").params == ("layers.1.scale",)
 
 
 def test_parameter_tied_across_two_units_raises_naming_both_names() -> None:
