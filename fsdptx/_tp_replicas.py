@@ -286,7 +286,10 @@ def _layout(
 ) -> _Layout:
     """The cached layout of ``parts`` for ``op`` ("sync" or "broadcast"),
     rebuilt when anything it was derived from changed."""
-    key = (op, tuple(map(id, parts)), ctx.group, ctx.ranks, max_bytes, marks_generation())
+    # The group by name, never the object: a cache on the model would keep a
+    # destroyed process group alive until interpreter exit, where tearing
+    # down its threads aborts the process.
+    key = (op, tuple(map(id, parts)), ctx.group.group_name, ctx.ranks, max_bytes, marks_generation())
     cache = parts[0].__dict__.get(_CACHE_ATTR)
     if not isinstance(cache, _LayoutCache):
         cache = _LayoutCache()
