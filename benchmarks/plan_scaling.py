@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdptx
-from fsdptx._apply import shard_kwargs
+from fsdptx.planning._apply import shard_kwargs
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import fake_mesh
 

@@ -21,27 +21,27 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch  # noqa: F401
 
-from ._apply import PlanMismatchError, apply_plan, check_plan
+from .planning._apply import PlanMismatchError, apply_plan, check_plan
 from ._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
 from ._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn
-from ._imperative import (
+from .planning._imperative import (
     configure_fsdp_unused_param_reduction,
     fully_shard_across_blocks,
     fully_shard_by_dtype,
     reject_unsupported_mtp_cp,
     reject_unsupported_mtp_cp_pp,
 )
-from ._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduction
-from ._plan import Checkpointing, Plan, Prefetch, Reduction, TensorParallel, TPAssignment, Unit
-from ._planner import PlanningError
-from ._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
+from .tp._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduction
+from .planning._plan import Checkpointing, Plan, Prefetch, Reduction, TensorParallel, TPAssignment, Unit
+from .planning._planner import PlanningError
+from .planning._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
 from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
-from ._tp_replicas import (
+from .tp._replicas import (
     broadcast_tp_replicas,
     is_tp_replicated,
     synchronize_tp_replica_gradients,
 )
-from ._transforms import (
+from .planning._transforms import (
     Transform,
     compose,
     mark_reduction,

@@ -1,7 +1,7 @@
-"""``python -m fsdptx``: see :mod:`fsdptx._cli`."""
+"""``python -m fsdptx``: see :mod:`fsdptx.cli._main`."""
 
 import sys
 
-from ._cli import main
+from .cli._main import main
 
 sys.exit(main())

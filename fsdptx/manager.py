@@ -22,12 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ._apply import apply_plan
-from ._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
+from .planning._apply import apply_plan
+from .planning._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
 from ._meshes import ParallelDims, parallel_dims, tp_mesh
-from ._plan import Plan
-from ._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
-from ._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
+from .planning._plan import Plan
+from .planning._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
+from .planning._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
 from .tp import check_tensor_parallel, tensor_parallel
 
 __all__ = ["FSDP2Config", "FSDP2Manager", "gradient_sync_context", "patch_is_packed_sequence"]
@@ -245,7 +245,7 @@ class FSDP2Manager:
 
     def plan_blocks(self, model: nn.Module) -> tuple[str, ...]:
         """The block FQNs the manager treats as units (for compile)."""
-        from ._planner import ModelIndex
+        from .planning._planner import ModelIndex
 
         return ModelIndex.build(model).blocks
 

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 import fsdptx
 from fsdptx import Plan, PlanMismatchError
-from fsdptx._marks import is_excluded_from_tp_replica_sync, tp_replica_reduction
+from fsdptx.tp._marks import is_excluded_from_tp_replica_sync, tp_replica_reduction
 from fsdptx.testing import fake_mesh
 
 BF16_POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)

@@ -1,6 +1,6 @@
 """``python -m fsdptx plan``: a dry run of FSDP2Manager, driven through ``main``.
 
-Every case calls :func:`fsdptx._cli.main` in-process (fast); the real
+Every case calls :func:`fsdptx.cli._main.main` in-process (fast); the real
 ``python -m fsdptx`` entry point runs in ``test_cli_hardening.py``. HF
 models, the memory plan and hardening have files of their own
 (``test_cli_*.py``).
@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from fsdptx._cli import main
-from fsdptx._plan import Plan
-from fsdptx._report import step_traffic
+from fsdptx.cli._main import main
+from fsdptx.planning._plan import Plan
+from fsdptx.cli._report import step_traffic
 from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import build_preset
 from fsdptx.testing import fake_mesh

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdptx._cli import MAX_WORLD, main
+from fsdptx.cli._main import MAX_WORLD, main
 
 FACTORIES = '''
 import sys

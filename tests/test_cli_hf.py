@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fsdptx._cli import main, parse_hf_config
+from fsdptx.cli._main import main, parse_hf_config
 
 pytest.importorskip("transformers")
 

@@ -1,6 +1,6 @@
 """The per-rank memory plan: figures computed from shapes equal what
 ``parallelize`` really allocates, and the peak estimate adds up as
-:class:`fsdptx._report.MemoryPlan` documents."""
+:class:`fsdptx.cli._report.MemoryPlan` documents."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from fsdptx import _cli
-from fsdptx._cli import main, param_shards
-from fsdptx._plan import Plan
-from fsdptx._report import OPTIMIZER_STATES, ParamShard, local_shape, memory_plan
+from fsdptx.cli import _main as _cli
+from fsdptx.cli._main import main, param_shards
+from fsdptx.planning._plan import Plan
+from fsdptx.cli._report import OPTIMIZER_STATES, ParamShard, local_shape, memory_plan
 from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import fake_mesh

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdptx
 from fsdptx import Plan
-from fsdptx._marks import (
+from fsdptx.tp._marks import (
     exclude_from_tp_replica_sync,
     is_excluded_from_tp_replica_sync,
     tp_replica_reduction,

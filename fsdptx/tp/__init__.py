@@ -1,5 +1,7 @@
-"""Tensor parallelism: the ``tensor_parallel`` transform, the style names it
-understands, and the checks a TP plan must pass at a given TP size."""
+"""Tensor parallelism: the ``tensor_parallel`` transform and the style names
+it understands (``_styles``, ``_transform``), the TP-replica marks
+(``_marks``) and the replica broadcast and gradient synchronization
+(``_replicas``)."""
 
 from ._styles import STYLE_NAMES, GatherSequence, describe_style
 from ._transform import check_tensor_parallel, declared_tp_plan, tensor_parallel, tp_styles_by_module

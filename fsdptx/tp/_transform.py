@@ -23,8 +23,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor import Replicate
 
-from .._plan import Plan, Reduction, TensorParallel, TPAssignment
-from .._planner import ModelIndex, PlanningError
+from ..planning._plan import Plan, Reduction, TensorParallel, TPAssignment
+from ..planning._planner import ModelIndex, PlanningError
 from ._styles import (
     REPLICA_SUM_STYLES,
     UNSUPPORTED_STYLES,
@@ -98,7 +98,7 @@ def tensor_parallel(
     holder added to the residual, a gate) get a ``sum`` TP-replica mark:
     each TP rank's gradient covers only its tokens.
     """
-    from .._transforms import model_index  # local: _transforms re-exports this transform
+    from ..planning._transforms import model_index  # local: _transforms re-exports this transform
 
     index = model_index(model, current)
     explicit = plan is not None

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from torch import nn
 
-from ._plan import REDUCTIONS, Reduction
+from ..planning._plan import REDUCTIONS, Reduction
 
 __all__ = [
     "exclude_from_tp_replica_sync",

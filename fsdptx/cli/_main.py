@@ -7,7 +7,7 @@ that plan with ``parallelize`` on a fake-process-group mesh (proving it
 applies: TP styles, checkpointing, every FSDP unit and prefetch chain), and
 prints one table of units, the TP / checkpointing / prefetch requests, the
 FSDP collectives of one step and a per-rank memory plan (see
-:class:`fsdptx._report.MemoryPlan` for what it counts).
+:class:`fsdptx.cli._report.MemoryPlan` for what it counts).
 
 Every mistake on the command line, in a factory or in a model's
 declarations is reported as one line on stderr with exit code 2.
@@ -31,12 +31,12 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from ._apply import apply_plan
-from ._meshes import KNOWN_DIMS, ParallelDims
-from ._plan import Plan, Unit, _format_requests, reshards_after_forward
+from ..planning._apply import apply_plan
+from .._meshes import KNOWN_DIMS, ParallelDims
+from ..planning._plan import Plan, Unit, _format_requests, reshards_after_forward
 from ._report import OPTIMIZER_STATES, MemoryPlan, ParamShard, UnitTraffic, local_shape, memory_plan, step_traffic
-from ._transforms import compose, mark_reduction, shard_across_blocks, shard_by_dtype
-from .presets import PRESETS, build_preset
+from ..planning._transforms import compose, mark_reduction, shard_across_blocks, shard_by_dtype
+from ..presets import PRESETS, build_preset
 
 # The pipeline of plain ``fsdptx.plan`` (no manager): kept for callers that
 # compare against it; the CLI itself runs the manager's pipeline.
@@ -144,7 +144,7 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
 
 
 def _build_hf(args: argparse.Namespace) -> nn.Module:
-    from .hf import build_hf_model
+    from ..hf import build_hf_model
 
     overrides = parse_hf_config(args.hf_config)
     dtype = _DTYPES[args.dtype or "bf16"]
@@ -262,8 +262,8 @@ def param_shards(model: nn.Module, p: Plan, dims: ParallelDims, *, fsdp_applied:
 
 def dry_run(model: nn.Module, shape: tuple[int, ...], names: tuple[str, ...], config: Any) -> DryRun:
     """Plan with the manager and apply on a fake mesh (within :data:`APPLY_BUDGET`)."""
-    from .manager import FSDP2Manager
-    from .testing import fake_mesh  # the fake backend is only needed here
+    from ..manager import FSDP2Manager
+    from ..testing import fake_mesh  # the fake backend is only needed here
 
     n_params = sum(1 for _ in model.parameters())
     with fake_mesh(shape, names) as mesh:
@@ -595,7 +595,7 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
             )
         )
     width = max(len(k) for k, _ in rows)
-    out = ["memory per rank (rank 0; activations not counted, see fsdptx._report.MemoryPlan):"]
+    out = ["memory per rank (rank 0; activations not counted, see fsdptx.cli._report.MemoryPlan):"]
     out += [f"  {k.ljust(width)}  {v}" for k, v in rows]
     return out
 
@@ -640,7 +640,7 @@ def _parser() -> _Parser:
 
 
 def run_plan(args: argparse.Namespace) -> str:
-    from .manager import FSDP2Config
+    from ..manager import FSDP2Config
 
     shape, names = parse_mesh(args.mesh)
     model, name = build_model(args)

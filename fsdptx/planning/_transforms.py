@@ -17,8 +17,8 @@ from typing import Any, Protocol
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from ._args import require_module
-from .hf import hf_fp32_compute_tokens, hf_replica_reductions
+from .._args import require_module
+from ..hf import hf_fp32_compute_tokens, hf_replica_reductions
 from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit
 from ._planner import ModelIndex, PlanningError, _natural, resolve_units
 
@@ -270,7 +270,7 @@ def _experts(model: nn.Module, index: ModelIndex, globs: Collection[str] | None)
     model's ``_fsdptx_expert_modules``; planned before their blocks, so each
     is a unit of its own on the MoE mesh, and kept out of TP-replica sync
     (expert shards differ between ranks by design)."""
-    from .tp._transform import segment_match  # local: fsdptx.tp imports this module
+    from ..tp._transform import segment_match  # local: fsdptx.tp imports this module
 
     patterns = (
         _tuple_of_str(globs, "expert_modules")
@@ -469,7 +469,7 @@ def _register_unit_blind() -> None:
     """Transforms that only record requests (TP styles, checkpointing) do
     not interrupt a fused run of sharding transforms."""
     from ._refine import checkpoint_activations
-    from .tp._transform import tensor_parallel
+    from ..tp._transform import tensor_parallel
 
     _UNIT_BLIND.update((checkpoint_activations, tensor_parallel))
 

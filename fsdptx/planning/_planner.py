@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from ._dtypes import is_pinned, resolve_compute_dtype
+from .._dtypes import is_pinned, resolve_compute_dtype
 from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind
-from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
-from ._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
+from .._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
+from .._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
 
 __all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_units"]
 

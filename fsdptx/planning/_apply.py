@@ -18,13 +18,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, create_selective_checkpoint_contexts
 
-from ._args import require_module
-from ._marks import exclude_from_tp_replica_sync, mark_parameter_reduction
-from ._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
+from .._args import require_module
+from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reduction
+from .._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
 from ._plan import Checkpointing, Plan, Unit
 from ._planner import ModelIndex, claim, is_container
-from ._policy import primitive_policy
-from .tp._transform import check_tensor_parallel, tied_tp_groups, tp_styles_by_module
+from .._policy import primitive_policy
+from ..tp._transform import check_tensor_parallel, tied_tp_groups, tp_styles_by_module
 
 __all__ = ["PlanMismatchError", "apply_plan", "check_plan", "shard_kwargs"]
 
