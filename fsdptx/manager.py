@@ -59,6 +59,12 @@ class FSDP2Config:
     nothing under pipeline parallelism). Prefetch depths are how many
     blocks ahead each block all-gathers. Invalid values fail here, naming
     the field, so a typo in a launcher fails before any process group work.
+
+    Beyond the reference: ``expert_modules`` (globs of expert modules,
+    sharded over ``moe_mesh``; default: what the model declares) and
+    ``cross_block_modules`` (block-relative names whose fp32 holders become
+    one unit across all blocks, e.g. ``("self_attn",)`` for GPT-OSS sinks;
+    default: the model's ``_fsdp_shard_across_blocks``).
     """
 
     sequence_parallel: bool = False
@@ -75,6 +81,7 @@ class FSDP2Config:
     fsdp2_backward_prefetch_depth: int = 2
     fsdp2_forward_prefetch_depth: int = 1
     expert_modules: tuple[str, ...] | None = None
+    cross_block_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -110,8 +117,10 @@ class FSDP2Config:
             raise ValueError(f"FSDP2Config.reshard_after_forward must be None, a bool or an int >= 1, got {r!r}")
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise TypeError(f"FSDP2Config.tp_plan must be a mapping of module glob -> style, got {self.tp_plan!r}")
-        if isinstance(self.expert_modules, str):
-            raise TypeError("FSDP2Config.expert_modules must be a tuple of globs, not one string")
+        for name in ("expert_modules", "cross_block_modules"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
+                raise TypeError(f"FSDP2Config.{name} must be a tuple of str, got {value!r}")
 
     @property
     def checkpoint_mode(self) -> Literal["full", "selective"] | None:
@@ -165,7 +174,7 @@ class FSDP2Manager:
         if dims.sharding_enabled:
             steps += [
                 functools.partial(shard_by_dtype, expert_modules=self._expert_modules(model)),
-                shard_across_blocks,
+                functools.partial(shard_across_blocks, module_names=cfg.cross_block_modules),
             ]
         steps.append(mark_reduction)
         if dims.sharding_enabled:

@@ -134,3 +134,8 @@ def test_manager_exposes_the_reference_attributes() -> None:
         "selective",
         3,
     )
+
+
+def test_cross_block_modules_must_be_names_not_one_string() -> None:
+    with pytest.raises(TypeError, match="cross_block_modules"):
+        FSDP2Config(cross_block_modules="self_attn")  # type: ignore[arg-type]
