@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -106,3 +107,27 @@ def test_mixed_precision_policy_object_still_plans() -> None:
     assert all(u.compute_dtype == torch.bfloat16 for u in p.units)
 
 
+
+
+class _Blk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
+class _Model(nn.Module):
+    def __init__(self, declared: object) -> None:
+        super().__init__()
+        self._no_split_modules = declared
+        self.stack = nn.Sequential(_Blk(), _Blk())  # not a ModuleList: no fallback to find them
+        self.head = nn.Linear(4, 4)
+
+
+def test_no_split_modules_as_a_bare_string_is_one_class_name() -> None:
+    p = fsdptx.plan(_Model("_Blk"), fsdptx.shard_by_dtype)
+    assert [u.modules[0] for u in p.units if u.kind == "block"] == ["stack.0", "stack.1"]
+
+
+def test_no_split_modules_of_the_wrong_type_names_the_attribute() -> None:
+    with pytest.raises(TypeError, match="_no_split_modules"):
+        fsdptx.plan(_Model(5), fsdptx.shard_by_dtype)

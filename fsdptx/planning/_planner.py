@@ -796,6 +796,21 @@ def _natural(fqn: str) -> tuple[tuple[int, int | str], ...]:
     return tuple((0, int(seg)) if seg.isdigit() else (1, seg) for seg in fqn.split("."))
 
 
+def _declared_names(model: nn.Module, attribute: str) -> tuple[str, ...]:
+    """Class names a model declares: a bare string is one name (not its
+    letters); anything else must be a collection of strings."""
+    value = getattr(model, attribute, None)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(
+            f"{type(model).__name__}.{attribute} must be a list of class names, got {value!r}"
+        )
+    return tuple(value)
+
+
 def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[str, ...]:
     """The model's repeated blocks, by the conventions models already declare.
 
@@ -807,7 +822,7 @@ def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[
     order, so every rank lists them alike.
     """
     idx = index or ModelIndex.build(model)
-    class_names = set(getattr(model, "_no_split_modules", None) or ())
+    class_names = set(_declared_names(model, "_no_split_modules"))
     found: list[str] = []
     if class_names:
         for fqn, module in idx.modules.items():
