@@ -128,6 +128,24 @@ class FSDP2Config:
         return None if ac is False else ("full" if ac is True else ac)
 
 
+_CONFIG_ATTRIBUTES = frozenset(
+    {
+        "sequence_parallel",
+        "tp_plan",
+        "mp_policy",
+        "offload_policy",
+        "activation_checkpointing",
+        "defer_fsdp_grad_sync",
+        "reshard_after_forward",
+        "enable_async_tensor_parallel",
+        "enable_compile",
+        "enable_fsdp2_prefetch",
+        "fsdp2_backward_prefetch_depth",
+        "fsdp2_forward_prefetch_depth",
+    }
+)
+
+
 class FSDP2Manager:
     """Parallelize a model over ``device_mesh`` as ``config`` says.
 
@@ -147,19 +165,15 @@ class FSDP2Manager:
         self.dims: ParallelDims = parallel_dims(device_mesh)
         if config.sequence_parallel and self.dims.tp == 1:
             logger.info("FSDP2Manager: sequence_parallel has no effect without a tp dim of size > 1")
-        # The reference's attributes, for code that reads them off the manager.
-        self.sequence_parallel = config.sequence_parallel
-        self.tp_plan = config.tp_plan
-        self.mp_policy = config.mp_policy
-        self.offload_policy = config.offload_policy
-        self.activation_checkpointing = config.activation_checkpointing
-        self.defer_fsdp_grad_sync = config.defer_fsdp_grad_sync
-        self.reshard_after_forward = config.reshard_after_forward
-        self.enable_async_tensor_parallel = config.enable_async_tensor_parallel
-        self.enable_compile = config.enable_compile
-        self.enable_fsdp2_prefetch = config.enable_fsdp2_prefetch
-        self.fsdp2_backward_prefetch_depth = config.fsdp2_backward_prefetch_depth
-        self.fsdp2_forward_prefetch_depth = config.fsdp2_forward_prefetch_depth
+
+    def __getattr__(self, name: str) -> object:
+        """The reference's attributes (``manager.sequence_parallel``,
+        ``manager.mp_policy``, ...) read through to the config, so code
+        written against the reference keeps working and there is one source
+        of truth."""
+        if name in _CONFIG_ATTRIBUTES:
+            return getattr(self.__dict__["config"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def pipeline(self, model: nn.Module) -> Transform:
         """The transforms this manager runs, configured from the config and
