@@ -178,6 +178,77 @@ def count_collectives(fn: Callable[[], object]) -> int:
     return len(calls)
 
 
+# --------------------------------------------------------------------------- phases
+
+
+PHASES = ("validate", "grads", "pack", "agree wait", "collective", "unpack", "total")
+
+
+def phase_breakdown(
+    model: nn.Module, mesh: DeviceMesh, before: Callable[[], None], runs: int, warmup: int
+) -> dict[str, float]:
+    """Median per-phase time (us) of one rank's synchronize_tp_replica_gradients,
+    re-running its steps with timers between them (``time.perf_counter_ns``).
+
+    It mirrors the public function step by step through the module's private
+    helpers, so it must follow that function when it changes. Phases:
+    validate (arguments, TP context, layout cache check), grads (gradient
+    states, plan lookup), pack (copy in of the first chunk, overlapping the
+    agreement all-reduce), agree wait (what is left of the agreement after
+    the pack), collective (the data all-reduce), unpack (division of the
+    means and copy out).
+    """
+    from fsdptx.tp import _replicas as r
+
+    pc = time.perf_counter_ns
+    rows: dict[str, list[int]] = {k: [] for k in PHASES}
+    where = "synchronize_tp_replica_gradients"
+    for i in range(warmup + runs):
+        before()
+        dist.barrier()
+        marks: dict[str, int] = {}
+        t0 = pc()
+        parts, max_bytes = r._check_arguments(where, [model], mesh, "tp", fsdptx.DEFAULT_MAX_BUFFER_BYTES)
+        ctx = r._tp_context(mesh, "tp")
+        assert ctx is not None
+        layout = r._layout(parts, ctx, max_bytes, "sync", with_buffers=False)
+        t1 = pc()
+        states, grads, deviations, sparse = r._grad_states(layout, ctx)
+        plan = layout.plan
+        assert plan is not None and plan.key == states + "\n".join(deviations).encode(), "run the function first"
+        plan.materialize()
+        synced = plan.synced
+        tensors = grads if len(synced) == len(grads) else [grads[j] for j in synced]
+        t2 = pc()
+
+        def agree() -> Callable[[], None]:
+            finish = r._agree(where, ctx, layout, max_bytes, plan.call_digest, states, deviations, sparse)
+
+            def timed() -> None:
+                marks["wait"] = pc()
+                finish()
+                marks["agreed"] = pc()
+
+            return timed
+
+        def collective(buf: torch.Tensor) -> None:
+            marks["coll"] = pc()
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group)
+            marks["unpack"] = pc()
+
+        with torch.no_grad():
+            r._execute(plan, tensors, collective, float(len(ctx.ranks)), agree)
+        t3 = pc()
+        if i >= warmup:
+            for k, v in (
+                ("validate", t1 - t0), ("grads", t2 - t1), ("pack", marks["wait"] - t2),
+                ("agree wait", marks["coll"] - marks["wait"]), ("collective", marks["unpack"] - marks["coll"]),
+                ("unpack", t3 - marks["unpack"]), ("total", t3 - t0),
+            ):
+                rows[k].append(v)
+    return {k: statistics.median(v) / 1e3 for k, v in rows.items()}
+
+
 # --------------------------------------------------------------------------- memory
 
 
@@ -297,6 +368,12 @@ def worker(rank: int, world_size: int, runs: int, blocks: int, warmup: int, repe
              "floor": t_limit + t_copy}
         )
 
+    restore()
+    sync()  # the breakdown reuses the cached plan of the last call
+    phases = phase_breakdown(model, mesh, restore, runs, warmup)
+    every_rank: list[dict[str, float] | None] = [None] * world_size
+    dist.all_gather_object(every_rank, phases)
+
     # Memory: the same set plus one 1M-element fp32 tensor (4 MiB), with a
     # 1 MiB budget; and, for contrast, the default 256 MiB budget, where
     # everything travels in one buffer.
@@ -348,6 +425,15 @@ def worker(rank: int, world_size: int, runs: int, blocks: int, warmup: int, repe
             "floor = one pre-packed fp32 all_reduce + one foreach copy in and one out; fsdptx adds "
             "its agreement all-reduce (metadata column) and local bookkeeping"
         )
+        print(
+            f"\nPer-phase breakdown of one fsdptx call (median us over {runs} runs, per rank; "
+            "pack overlaps the agreement all-reduce, 'agree wait' is what is left of it):\n"
+        )
+        print("| rank | " + " | ".join(PHASES) + " |")
+        print("|---:|" + "---:|" * len(PHASES))
+        for r_, ph in enumerate(every_rank):
+            assert ph is not None
+            print(f"| {r_} | " + " | ".join(f"{ph[k]:.0f}" for k in PHASES) + " |")
         print(
             f"\nPeak extra CPU memory of synchronize_tp_replica_gradients (torch allocator, "
             f"profiler memory events; gloo's internal buffers not included), same set plus one "

@@ -192,3 +192,61 @@ def test_cache_does_not_travel_with_a_deep_copy(mesh: DeviceMesh) -> None:
         p.grad = torch.ones_like(p) * 4
     synchronize_tp_replica_gradients(clone, mesh)
     assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in clone.parameters())
+
+
+def test_moving_a_parameter_to_a_sibling_invalidates_the_cache(mesh: DeviceMesh) -> None:
+    """Same object, same local name, next module in the walk: only the FQN
+    changes, and with it the layout (the cache check delimits modules)."""
+    model = nn.Module()
+    model.a = nn.Module()
+    model.b = nn.Module()
+    model.a.w = nn.Parameter(torch.zeros(3))
+    w = model.a.w
+    synchronize_tp_replica_gradients(model, mesh)
+    layout = model.__dict__["_fsdptx_tp_layouts"]["sync"]
+    del model.a.w
+    model.b.w = w
+    w.grad = torch.ones(3) * 4
+    synchronize_tp_replica_gradients(model, mesh)
+    rebuilt = model.__dict__["_fsdptx_tp_layouts"]["sync"]
+    assert rebuilt is not layout and [e.fqn for e in rebuilt.entries] == ["b.w"]
+    assert torch.equal(w.grad, torch.full((3,), 2.0))
+
+
+def test_buffers_shape_the_broadcast_cache_but_not_the_sync_cache(mesh: DeviceMesh) -> None:
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    assert broadcast_tp_replicas(model, mesh) == 3
+    sync_layout = model.__dict__["_fsdptx_tp_layouts"]["sync"]
+    model.b.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+    assert broadcast_tp_replicas(model, mesh) == 4
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    synchronize_tp_replica_gradients(model, mesh)
+    assert model.__dict__["_fsdptx_tp_layouts"]["sync"] is sync_layout
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
+
+
+@pytest.mark.parametrize("change", ["none", "sparse", "dtype", "shape", "type"])
+def test_fast_gradient_check_agrees_with_the_per_entry_loop(mesh: DeviceMesh, change: str) -> None:
+    """Whatever the gradients, the one-pass check either returns what the
+    per-entry loop would (all synchronized, no deviation) or defers to it."""
+    from fsdptx.tp import _replicas
+
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    layout = model.__dict__["_fsdptx_tp_layouts"]["sync"]
+    grads = {"none": torch.ones(2, 2), "sparse": torch.ones(2, 2).to_sparse(),
+             "dtype": torch.ones(2, 2, dtype=torch.float64), "shape": torch.ones(4),
+             "type": nn.Parameter(torch.ones(2, 2))}
+    if change in ("dtype", "shape"):  # the same parameter object, new storage (as after .data = ...)
+        model.b.weight.data = torch.zeros_like(grads[change])
+    model.b.weight.grad = grads[change]
+    fast = _replicas._common_grads(layout)
+    states, got, deviations, sparse = _replicas._grad_states(layout, _replicas._tp_context(mesh, "tp"))
+    if fast is not None:
+        assert change == "none"
+        assert all(a is b for a, b in zip(fast, got)) and not deviations and not sparse
+        assert set(states) == {_replicas._SYNC}
+    else:
+        assert change != "none"

@@ -52,8 +52,10 @@ def _mixed(rank: int) -> nn.Module:
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    out: dict[str, torch.Tensor | None] = {f"grad:{n}": None if p.grad is None else p.grad.clone()
-                                           for n, p in model.named_parameters()}
+    out: dict[str, torch.Tensor | None] = {
+        f"grad:{n}": None if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
+        for n, p in model.named_parameters()
+    }
     out.update({n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]})
     return out
 
@@ -98,6 +100,26 @@ def _scenarios(rank: int, mesh: DeviceMesh) -> dict[str, dict[str, Any]]:
     # grads come first; they used to be reduced before the fp64 ones failed)
     out["invalid_4"] = _attempt(_mixed(rank), lambda m: sync(m, max_bytes=4))
     out["invalid_float"] = _attempt(_mixed(rank), lambda m: sync(m, max_bytes=10.5))
+    # 6. the same, once a first call succeeded on both ranks: rank 0 repeats
+    # its call with its cached, materialized plan (it packs its buffer while
+    # the agreement is in flight), rank 1 changes what it would send
+    for case, change in (("cached_presence", "presence"), ("cached_sparse", "sparse"),
+                         ("cached_max_bytes", "max_bytes"), ("cached_marks", "marks")):
+        model = _model(rank)
+        sync(model)
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * (rank + 1) + i
+        max_bytes = 256 * 2**20
+        if rank == 1:
+            if change == "presence":
+                model.a.bias.grad = None
+            elif change == "sparse":
+                model.a.bias.grad = model.a.bias.grad.to_sparse()  # type: ignore[union-attr]
+            elif change == "max_bytes":
+                max_bytes = 4096
+            else:
+                mark_tp_replica_gradient_reduction(model.a, "sum")
+        out[case] = _attempt(model, lambda m, b=max_bytes: sync(m, max_bytes=b))
     # the group is still usable: a clean sync reduces exactly
     clean = _model(rank)
     out["clean"] = _attempt(clean, lambda m: sync(m))
@@ -126,6 +148,10 @@ def _results() -> list[dict[str, dict[str, Any]]]:
         ("b_extra", "RuntimeError", ("extra", "absent")),
         ("invalid_4", "ValueError", ("max_bytes=4",)),
         ("invalid_float", "TypeError", ("max_bytes",)),
+        ("cached_presence", "RuntimeError", ("presence differs", "a.bias")),
+        ("cached_sparse", "RuntimeError", ("sparse", "a.bias")),
+        ("cached_max_bytes", "RuntimeError", ("max_bytes", "rank 1: 4096")),
+        ("cached_marks", "RuntimeError", ("a.weight", "sum", "mean")),
     ],
 )
 def test_disagreement_or_bad_argument_raises_on_every_rank_changing_nothing(

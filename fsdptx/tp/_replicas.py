@@ -13,6 +13,7 @@ import hashlib
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,15 @@ def _check_arguments(
     passed the bad argument, their peers wait in the agreement collective
     until the process group's timeout expires (see the public docstrings).
     """
+    if type(max_bytes) is int and max_bytes > 0 and type(tp_axis_name) is str:  # the common case, cheaply
+        if isinstance(model_parts, nn.Module):
+            parts = [model_parts]
+        elif type(model_parts) is list and all(isinstance(m, nn.Module) for m in model_parts):
+            parts = list(model_parts)
+        else:
+            parts = None
+        if parts is not None and (device_mesh is None or isinstance(device_mesh, DeviceMesh)):
+            return parts, max_bytes
     if isinstance(model_parts, nn.Module):
         parts = [model_parts]
     elif isinstance(model_parts, Sequence) and all(isinstance(m, nn.Module) for m in model_parts):
@@ -200,23 +210,37 @@ def _walk(parts: list[nn.Module]) -> tuple[list[_Entry], list[_Entry], list[nn.M
     return kept(params), kept(buffers), modules
 
 
-def _structure(modules: list[nn.Module]) -> list[object]:
-    """What the walk read from each module: the names and identities of its
-    parameters, buffers and children, in one flat list.
+_PARAMETERS = operator.attrgetter("_parameters")
+_BUFFERS = operator.attrgetter("_buffers")
+_MODULES = operator.attrgetter("_modules")
+
+
+def _structure(modules: list[nn.Module], with_buffers: bool) -> list[object]:
+    """What the walk read from each module: the sizes, names and identities
+    of its parameters, children and (``with_buffers``) buffers, in one flat
+    list.
 
     Equal to the cached one exactly when a fresh walk would visit the same
     modules and find the same tensors under the same names (adding, removing,
-    renaming or replacing anything changes it). Identities are safe to
-    compare because the cache holds every object it names, so no id can be
-    reused by a new object while the cache lives.
+    renaming, moving or replacing anything changes it): the sizes delimit
+    each module's entries, so moving a tensor from one module to the next
+    changes the list too. Buffers are read only for the operation that uses
+    them (broadcast); the sync's layout does not depend on them. Identities
+    are compared as ids: an id can only be reused by a new object after the
+    old one is freed, and every tensor the layout uses and every module it
+    visited is held by the cache.
+
+    Every step is a C-level ``map``/``chain`` over all modules at once: this
+    runs on every call.
     """
-    out: list[object] = []
-    extend = out.extend  # C-level extends: this runs on every call
-    for m in modules:
-        for d in (m._parameters, m._buffers, m._modules):
-            extend(d)
-            extend(map(id, d.values()))
-    return out
+    dicts = [*map(_PARAMETERS, modules), *map(_MODULES, modules)]
+    if with_buffers:
+        dicts += map(_BUFFERS, modules)
+    return [
+        *map(len, dicts),
+        *chain.from_iterable(dicts),
+        *map(id, chain.from_iterable(map(dict.values, dicts))),
+    ]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -259,10 +283,23 @@ class _Layout:
     local_shapes: list[torch.Size]
     placements: list[tuple[object, ...] | None]
     digest: int
+    with_buffers: bool
     plan: _Plan | None = None  # the last per-call plan, with its buffer
+    # For the gradient fast path (see _grad_states): the entries' tensors,
+    # the type a gradient laid out like its parameter has, the DTensor ones.
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    grad_types: list[type] = field(default_factory=list)
+    dtensors: list[int] = field(default_factory=list)
+    dtensor_placements: list[tuple[object, ...]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tensors = [e.tensor for e in self.entries]
+        self.grad_types = [DTensor if p is not None else torch.Tensor for p in self.placements]
+        self.dtensors = [i for i, p in enumerate(self.placements) if p is not None]
+        self.dtensor_placements = [p for p in self.placements if p is not None]
 
     def valid(self, key: tuple[object, ...]) -> bool:
-        return key == self.key and _structure(self.modules) == self.structure
+        return key == self.key and _structure(self.modules, self.with_buffers) == self.structure
 
 
 _CACHE_ATTR = "_fsdptx_tp_layouts"
@@ -311,13 +348,14 @@ def _layout(
     layout = _Layout(
         key=key,
         modules=modules,
-        structure=_structure(modules),
+        structure=_structure(modules, with_buffers),
         entries=entries,
         descriptions=descriptions,
         local_dtypes=[_local(e.tensor).dtype for e in entries],
         local_shapes=[_local(e.tensor).shape for e in entries],
         placements=[tuple(e.tensor.placements) if isinstance(e.tensor, DTensor) else None for e in entries],
         digest=_digest(f"{op} max_bytes={max_bytes}\n{text}"),
+        with_buffers=with_buffers,
     )
     cache[op] = layout
     return layout
@@ -337,6 +375,7 @@ class _Chunk:
     numel: int
     mean_numel: int  # the first ``mean_numel`` elements hold mean-reduced values
     views: list[torch.Tensor] = field(default_factory=list)  # per slot, once the buffer exists
+    whole: list[int] | None = None  # the tensor indices when no slot is a slice (the common case)
     data: torch.Tensor | None = None
     mean: torch.Tensor | None = None
 
@@ -355,8 +394,10 @@ class _Plan:
     """How the tensors of one call travel: per (device, communication dtype)
     group, the chunks and their views of one buffer per device.
 
-    The buffer is made (:meth:`materialize`) only after the peers agreed, and
-    kept with the plan, so repeated calls with the same layout reuse it: no
+    The buffer is made (:meth:`materialize`) only after the peers agreed
+    (see :func:`_overlapped_agreement`), and kept with the plan once a call
+    succeeded, so repeated calls with the same layout reuse it (and pack
+    their first chunk while the agreement is in flight): no
     allocation, no page faults, no per-tensor views. Its size is the largest
     chunk plus, for a group with means, one element for the divisor, within
     ``max_bytes``: all the extra memory the call needs, held until the
@@ -366,6 +407,8 @@ class _Plan:
     key: bytes
     groups: list[_Group]
     materialized: bool = False
+    synced: list[int] = field(default_factory=list)  # sync: entries with a gradient to reduce
+    call_digest: int = 0  # the agreement's per-call digest, a function of ``key``
 
     def materialize(self) -> None:
         if self.materialized:
@@ -449,45 +492,96 @@ def _plan(
                 offset += n
                 if means[i]:
                     mean_numel = offset
-            chunks.append(_Chunk(slots, spans, offset, mean_numel))
+            whole = slots if all(isinstance(slot, int) for slot in slots) else None
+            chunks.append(_Chunk(slots, spans, offset, mean_numel, whole=whole))  # type: ignore[arg-type]
         groups.append(_Group(device, dtype, has_mean, chunks))
     return _Plan(key, groups)
 
 
-def _execute(plan: _Plan, tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], None], divisor: float) -> None:
+def _execute(
+    plan: _Plan,
+    tensors: list[torch.Tensor],
+    collective: Callable[[torch.Tensor], None],
+    divisor: float,
+    agree: Callable[[], Callable[[], None]],
+) -> None:
     """Run ``plan`` on ``tensors`` in place: per chunk, one foreach copy in
     (casting low precision up), one collective, one division of the mean
     prefix, one foreach copy out (casting back).
 
+    ``agree()`` starts the agreement and returns what waits for its result
+    (raising on disagreement); see :func:`_overlapped_agreement`. The first
+    chunk is packed in between: packing writes only the plan's own buffer,
+    so the agreement's latency overlaps the copy in, and a disagreement
+    still raises before any collective on the data and before any tensor
+    is written.
+
     A slice of a non-contiguous tensor (rare for gradients) goes through a
     contiguous copy, written back at the end.
     """
-    staged: dict[int, torch.Tensor] = {}
-    for group in plan.groups:
-        if group.divisor is not None:
-            group.divisor.fill_(divisor)  # another dtype's group may have overwritten it
-        for chunk in group.chunks:
-            sources: list[torch.Tensor] = []
-            for slot in chunk.slots:
-                if isinstance(slot, int):
-                    sources.append(tensors[slot])
-                    continue
-                i, start, stop = slot
-                t = tensors[i]
-                if not t.is_contiguous():
-                    t = staged.setdefault(i, t.contiguous())
-                sources.append(t.view(-1)[start:stop])
-            torch._foreach_copy_(chunk.views, sources)
-            collective(chunk.data)  # type: ignore[arg-type]
-            if chunk.mean is not None:
-                chunk.mean.div_(group.divisor)  # type: ignore[arg-type]
-            torch._foreach_copy_(sources, chunk.views)
-    for i, work in staged.items():
-        tensors[i].copy_(work)
+    finish: Callable[[], None] | None = agree()
+    try:
+        staged: dict[int, torch.Tensor] = {}
+        for group in plan.groups:
+            if group.divisor is not None:
+                group.divisor.fill_(divisor)  # another dtype's group may have overwritten it
+            for chunk in group.chunks:
+                if chunk.whole is not None:
+                    sources = [tensors[i] for i in chunk.whole]
+                else:
+                    sources = []
+                    for slot in chunk.slots:
+                        if isinstance(slot, int):
+                            sources.append(tensors[slot])
+                            continue
+                        i, start, stop = slot
+                        t = tensors[i]
+                        if not t.is_contiguous():
+                            t = staged.setdefault(i, t.contiguous())
+                        sources.append(t.view(-1)[start:stop])
+                torch._foreach_copy_(chunk.views, sources)
+                if finish is not None:
+                    done, finish = finish, None
+                    done()
+                collective(chunk.data)  # type: ignore[arg-type]
+                if chunk.mean is not None:
+                    chunk.mean.div_(group.divisor)  # type: ignore[arg-type]
+                torch._foreach_copy_(sources, chunk.views)
+        for i, work in staged.items():
+            tensors[i].copy_(work)
+    finally:
+        if finish is not None:  # nothing to pack, or packing raised: still complete the agreement
+            finish()
 
 
 # ----------------------------------------------------------------------------
 # The agreement.
+
+
+def _no_wait() -> None:
+    return None
+
+
+def _overlapped_agreement(
+    plan: _Plan, start: Callable[[], Callable[[], None]]
+) -> Callable[[], Callable[[], None]]:
+    """What :func:`_execute` calls to agree: ``start`` itself when the plan's
+    buffer already exists (a repeated call), so the first chunk is packed
+    while the agreement is in flight; otherwise the agreement runs to the
+    end first and only then is the buffer made, so the small agreement
+    tensor and the buffer never coexist in a call that allocates the
+    buffer, whose peak extra memory therefore stays within ``max_bytes``.
+    """
+    if plan.materialized:
+        return start
+    start()()
+    plan.materialize()
+    return lambda: _no_wait
+
+
+def _call_digest(states: bytes, deviations: list[str]) -> int:
+    """The agreement's digest of one call's gradient states and deviations."""
+    return _digest(states.hex() + "\n".join(deviations)) if states or deviations else 0
 
 
 def _agree(
@@ -495,13 +589,16 @@ def _agree(
     ctx: _TPContext,
     layout: _Layout,
     max_bytes: int,
+    call_digest: int,
     states: bytes,
     deviations: list[str],
     sparse: list[str],
-) -> None:
-    """Check, with one small collective, that every TP peer is about to run
-    the same collectives on the same things; raise the same ``RuntimeError``
-    on every peer if not.
+) -> Callable[[], None]:
+    """Start checking, with one small collective, that every TP peer is
+    about to run the same collectives on the same things; return what
+    finishes the check: it waits and raises the same ``RuntimeError`` on
+    every peer if not. Nothing may be written or communicated in between
+    but the caller's private buffer.
 
     Each rank contributes (entry count, layout digest, per-call digest, any
     sparse) and their negations to one MAX all-reduce, which yields both the
@@ -515,26 +612,30 @@ def _agree(
     offenders. On a fake process group the all-reduce returns the local
     input, so peers always agree there and only local checks (sparsity) fire.
     """
-    call_digest = _digest(states.hex() + "\n".join(deviations)) if states or deviations else 0
     local = [len(layout.entries), layout.digest, call_digest, int(bool(sparse))]
     both = torch.tensor(local + [-v for v in local], dtype=torch.int64, device=ctx.device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.group)
-    values = both.tolist()
-    hi, lo = values[:4], [-v for v in values[4:]]
-    if hi[:3] == lo[:3]:
-        if hi[3]:
-            raise RuntimeError(_sparse_message(where, sparse))
-        return
-    mine = _Description(
-        max_bytes,
-        {e.fqn: d for e, d in zip(layout.entries, layout.descriptions)},
-        {e.fqn: _STATE_NAMES[s] for e, s in zip(layout.entries, states)},
-        dict(d.split("\0", 1) for d in deviations),  # type: ignore[misc]
-        sparse,
-    )
-    gathered: list[_Description | None] = [None] * len(ctx.ranks)
-    dist.all_gather_object(gathered, mine, group=ctx.group)
-    raise RuntimeError(_disagreement_message(where, ctx.ranks, gathered))  # type: ignore[arg-type]
+    work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.group, async_op=True)
+
+    def finish() -> None:
+        work.wait()  # type: ignore[union-attr]
+        values = both.tolist()
+        hi, lo = values[:4], [-v for v in values[4:]]
+        if hi[:3] == lo[:3]:
+            if hi[3]:
+                raise RuntimeError(_sparse_message(where, sparse))
+            return
+        mine = _Description(
+            max_bytes,
+            {e.fqn: d for e, d in zip(layout.entries, layout.descriptions)},
+            {e.fqn: _STATE_NAMES[s] for e, s in zip(layout.entries, states)},
+            dict(d.split("\0", 1) for d in deviations),  # type: ignore[misc]
+            sparse,
+        )
+        gathered: list[_Description | None] = [None] * len(ctx.ranks)
+        dist.all_gather_object(gathered, mine, group=ctx.group)
+        raise RuntimeError(_disagreement_message(where, ctx.ranks, gathered))  # type: ignore[arg-type]
+
+    return finish
 
 
 # Per-entry gradient states of one call (one byte each).
@@ -657,12 +758,11 @@ def broadcast_tp_replicas(
             where,
             [e.fqn for e in layout.entries],
         )
-    _agree(where, ctx, layout, max_bytes, b"", [], [])
-    plan.materialize()
-    layout.plan = plan
+    agree = _overlapped_agreement(plan, lambda: _agree(where, ctx, layout, max_bytes, 0, b"", [], []))
     src = ctx.ranks[0]
     with torch.no_grad():
-        _execute(plan, tensors, lambda buf: dist.broadcast(buf, src=src, group=ctx.group), 1.0)
+        _execute(plan, tensors, lambda buf: dist.broadcast(buf, src=src, group=ctx.group), 1.0, agree)
+    layout.plan = plan
     return len(tensors)
 
 
@@ -721,9 +821,9 @@ def synchronize_tp_replica_gradients(
     states, grads, deviations, sparse = _grad_states(layout, ctx)
     key = states + "\n".join(deviations).encode()
     plan = layout.plan
-    synced = [i for i, s in enumerate(states) if s == _SYNC]
     if plan is None or plan.key != key:
         layout.plan = None  # release the old buffer before a new one is allocated
+        synced = [i for i, s in enumerate(states) if s == _SYNC]
         plan = _plan(
             key,
             [grads[i].shape for i in synced],
@@ -735,17 +835,22 @@ def synchronize_tp_replica_gradients(
             where,
             [layout.entries[i].fqn for i in synced],
         )
-    _agree(where, ctx, layout, max_bytes, states, deviations, sparse)
-    plan.materialize()
-    layout.plan = plan
-    tensors = [grads[i] for i in synced]
+        plan.synced = synced
+        plan.call_digest = _call_digest(states, deviations)
+    synced = plan.synced
+    agree = _overlapped_agreement(
+        plan, lambda: _agree(where, ctx, layout, max_bytes, plan.call_digest, states, deviations, sparse)
+    )
+    tensors = grads if len(synced) == len(grads) else [grads[i] for i in synced]
     with torch.no_grad():
         _execute(
             plan,
             tensors,
             lambda buf: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group),
             float(len(ctx.ranks)),
+            agree,
         )
+    layout.plan = plan
     return len(synced)
 
 
@@ -757,9 +862,13 @@ def _grad_states(
     ``"fqn\\0description"`` per gradient that departs from its parameter's
     dtype, local shape or placements, the FQNs of sparse gradients).
 
-    The common case, a dense gradient laid out like its parameter, costs a
-    few attribute reads and is fully described by the cached layout digest.
+    The common case, a dense gradient laid out like its parameter, is fully
+    described by the cached layout digest; :func:`_common_grads` checks it
+    for all entries at once.
     """
+    common = _common_grads(layout)
+    if common is not None:
+        return bytes([_SYNC]) * len(common), common, [], []
     states = bytearray(len(layout.entries))
     grads: list[torch.Tensor] = []
     deviations: list[str] = []
@@ -795,3 +904,41 @@ def _grad_states(
         states[i] = _SYNC
         grads.append(local)
     return bytes(states), grads, deviations, sparse
+
+
+_GRAD = operator.attrgetter("grad")
+_LAYOUT = operator.attrgetter("layout")
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_PLACEMENTS = operator.attrgetter("placements")
+_MESH = operator.attrgetter("device_mesh")
+
+
+def _common_grads(layout: _Layout) -> list[torch.Tensor] | None:
+    """The rank-local gradients when every entry has one that is dense and
+    laid out like its parameter (what :func:`_grad_states`' loop would mark
+    ``_SYNC`` with no deviation), else ``None`` (then the loop decides).
+
+    The same checks as the loop, a little stricter (exact types), each one
+    C-level ``map`` over all entries: a few microseconds instead of one
+    Python iteration per entry.
+    """
+    grads = [*map(_GRAD, layout.tensors)]
+    if [*map(type, grads)] != layout.grad_types:  # also catches None
+        return None
+    if {*map(_LAYOUT, grads)} != {torch.strided}:
+        return None if grads else []
+    local = grads
+    if layout.dtensors:
+        dt = [grads[i] for i in layout.dtensors]
+        params = [layout.tensors[i] for i in layout.dtensors]
+        if [*map(_PLACEMENTS, dt)] != layout.dtensor_placements:
+            return None
+        if not all(map(operator.is_, map(_MESH, dt), map(_MESH, params))):
+            return None
+        local = grads[:]
+        for i, g in zip(layout.dtensors, dt):
+            local[i] = g._local_tensor
+    if [*map(_DTYPE, local)] != layout.local_dtypes or [*map(_SHAPE, local)] != layout.local_shapes:
+        return None
+    return local
