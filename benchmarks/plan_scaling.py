@@ -2,20 +2,32 @@
 
 A synthetic decoder on the meta device (per block: 4 attention and 3 MLP
 linears, 2 norms, an fp32 holder declared for cross-block grouping, a bf16
-sibling) at several depths. For each size it prints:
+sibling) at several depths. Every figure is the median of ``--runs`` runs,
+shown with its spread (max - min, relative to the median); every ratio is
+against its baseline measured in the same run, on the same model:
 
-- microseconds per module for ``fsdptx.plan`` with the default pipeline
-  (target: <= 5 us at every size, and the 2048-block figure <= 1.3x the
-  32-block one: planning must stay linear);
-- ``apply_plan`` on a fake mesh against bare ``fully_shard`` calls of the same
-  units with the same arguments (target: <= 5% overhead);
+- ``plan``: microseconds per module for ``fsdptx.plan`` with the default
+  pipeline (target: <= 5 us at every size; the largest size <= 1.15x the
+  smallest per module: planning must stay linear);
+- ``plan + apply``: ``plan`` then ``apply_plan`` with a recording primitive,
+  against ``plan`` alone (target: <= 1.2x; validation reuses what planning
+  knew);
+- ``imperative``: ``fully_shard_by_dtype`` on every block with one set of
+  every block's fp32 holder parameters as ``ignored_params``, then on the
+  root, against ``plan`` (target: <= 1.2x at the largest size). Its
+  primitive does what ``fully_shard`` does to the module class and nothing
+  else, so later calls see the earlier units;
+- ``apply_plan`` with real ``fully_shard`` on a fake mesh against the bare
+  loop of the same calls (target: <= 1.05x);
 - for context, ``named_modules()`` per module: the cost of merely walking the
-  model, which itself grows with size once the model outgrows the CPU caches.
+  model, which itself grows with size once the model outgrows the CPU caches;
+- an 80-layer Hugging Face Llama (70B shapes) on the meta device: ``plan``
+  per module (needs ``transformers``).
 
 Timings run with the garbage collector paused, as ``timeit`` does, so a
 collection triggered by earlier allocations does not land in one sample.
 
-Usage: python benchmarks/plan_scaling.py [--blocks 32 256 2048] [--repeats 5]
+Usage: python benchmarks/plan_scaling.py [--blocks 32 256 2048] [--runs 3]
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdptx
 from fsdptx.planning._apply import shard_kwargs
@@ -37,6 +49,13 @@ from fsdptx.testing import fake_mesh
 
 PIPELINE = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+LLAMA_70B = {
+    "num_hidden_layers": 80,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
 
 
 def build(blocks: int) -> nn.Module:
@@ -48,91 +67,168 @@ def build(blocks: int) -> nn.Module:
         )
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn()``, after ``warmup`` untimed calls, with the
-    garbage collector paused during each call (as ``timeit`` does)."""
-    for _ in range(warmup):
+def seconds(fn: Callable[[], object]) -> float:
+    """Wall time of one ``fn()`` with the garbage collector paused."""
+    gc.disable()
+    try:
+        start = time.perf_counter()
         fn()
-    times = []
-    for _ in range(repeats):
-        gc.disable()
-        try:
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        finally:
-            gc.enable()
-    return statistics.median(times)
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
 
 
-def time_apply(blocks: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of apply_plan and of the bare primitive calls it makes.
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median of ``repeats`` timed calls after one untimed warm-up call."""
+    fn()
+    return statistics.median(seconds(fn) for _ in range(repeats))
 
-    Each repetition needs fresh models (sharding mutates them); building and
-    planning are outside both timings, and the bare variant resolves modules
-    and arguments before its clock starts, so the difference is fsdptx's
-    checking and bookkeeping alone. The two variants alternate which runs
-    first, so a drift in machine state does not favour either.
-    """
-    applied, bare = [], []
-    with fake_mesh((8,), ("dp",)) as mesh:
-        for repeat in range(repeats):
-            a_model, b_model = build(blocks), build(blocks)
-            a_plan = fsdptx.plan(a_model, PIPELINE, mp_policy=POLICY)
-            b_plan = fsdptx.plan(b_model, PIPELINE, mp_policy=POLICY)
-            calls = []
-            for unit in b_plan.units:
-                mods = [b_model.get_submodule(f) for f in unit.modules]
-                calls.append((mods[0] if len(mods) == 1 else mods, shard_kwargs(unit, mesh)))
 
-            def run_apply() -> None:
-                fsdptx.apply_plan(a_plan, a_model, mesh)
+class Figure:
+    """One measurement over several runs: median and relative spread."""
 
-            def run_bare() -> None:
-                for target, kwargs in calls:
-                    fully_shard(target, **kwargs)
+    def __init__(self, samples: list[float]) -> None:
+        self.samples = samples
+        self.median = statistics.median(samples)
 
-            order = [(run_apply, applied), (run_bare, bare)]
-            for fn, out in order if repeat % 2 == 0 else order[::-1]:
-                out.append(median_seconds(fn, 1, warmup=0))
-    return statistics.median(applied), statistics.median(bare)
+    def spread(self) -> str:
+        return f"±{(max(self.samples) - min(self.samples)) / self.median * 50:.0f}%"
+
+    def ms(self) -> str:
+        return f"{self.median * 1e3:.1f} {self.spread()}"
+
+
+def ratio(a: Figure, b: Figure) -> str:
+    """Median of the per-run ratios (each run's pair was measured together)."""
+    return f"{statistics.median(x / y for x, y in zip(a.samples, b.samples)):.2f}x"
+
+
+def record(target: nn.Module | list[nn.Module], **kwargs: object) -> None:
+    """A primitive that records nothing and shards nothing."""
+
+
+_SHARDED: dict[type, type] = {}
+
+
+def mark_sharded(target: nn.Module | list[nn.Module], **kwargs: object) -> None:
+    """What ``fully_shard`` does to the module class, and nothing else: later
+    calls see the module as an FSDP unit and stop there."""
+    for m in target if isinstance(target, list) else [target]:
+        cls = type(m)
+        m.__class__ = _SHARDED.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
+
+
+def imperative(model: nn.Module) -> None:
+    holders = {p for b in model.layers for p in b.sinks.parameters()}
+    for block in model.layers:
+        fsdptx.fully_shard_by_dtype(block, None, POLICY, None, ignored_params=holders, shard_module=mark_sharded)
+    fsdptx.fully_shard_by_dtype(model, None, POLICY, None, ignored_params=holders, shard_module=mark_sharded)
+
+
+def planning_run(blocks: int, repeats: int) -> tuple[float, float, float, float]:
+    """One run at one size: seconds of plan, plan + apply (recording),
+    imperative, and named_modules, each the median of ``repeats`` calls."""
+    model = build(blocks)
+    plan_s = median_seconds(lambda: fsdptx.plan(model, PIPELINE, mp_policy=POLICY), repeats)
+    both_s = median_seconds(
+        lambda: fsdptx.apply_plan(fsdptx.plan(model, PIPELINE, mp_policy=POLICY), model, None, shard_module=record),
+        repeats,
+    )
+    walk_s = median_seconds(lambda: list(model.named_modules()), repeats)
+    fresh = [build(blocks) for _ in range(repeats + 1)]  # the imperative API shards (marks) its model
+    imperative(fresh.pop())
+    imp_s = statistics.median(seconds(lambda: imperative(m)) for m in fresh)
+    return plan_s, both_s, imp_s, walk_s
+
+
+def apply_run(blocks: int, mesh: object, first: bool) -> tuple[float, float]:
+    """Seconds of apply_plan and of the bare primitive calls it makes, on
+    fresh models. Planning is outside both timings, and the bare variant
+    resolves modules and arguments before its clock starts, so the
+    difference is fsdptx's checking and bookkeeping alone; ``first`` says
+    which variant runs first, alternated so that drift favours neither."""
+    a_model, b_model = build(blocks), build(blocks)
+    a_plan = fsdptx.plan(a_model, PIPELINE, mp_policy=POLICY)
+    b_plan = fsdptx.plan(b_model, PIPELINE, mp_policy=POLICY)
+    calls = []
+    for unit in b_plan.units:
+        mods = [b_model.get_submodule(f) for f in unit.modules]
+        calls.append((mods[0] if len(mods) == 1 else mods, shard_kwargs(unit, mesh)))
+
+    def run_apply() -> None:
+        fsdptx.apply_plan(a_plan, a_model, mesh)
+
+    def run_bare() -> None:
+        for target, kwargs in calls:
+            fully_shard(target, **kwargs)
+
+    if first:
+        return seconds(run_apply), seconds(run_bare)
+    bare = seconds(run_bare)
+    return seconds(run_apply), bare
+
+
+def llama_figure(repeats: int, runs: int) -> tuple[int, Figure] | None:
+    try:
+        model = fsdptx.hf.build_hf_model("llama", LLAMA_70B, device="meta")
+    except ImportError:
+        return None
+    modules = sum(1 for _ in model.modules())
+    return modules, Figure(
+        [median_seconds(lambda: fsdptx.plan(model, PIPELINE, mp_policy=POLICY), repeats) for _ in range(runs)]
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, nargs="+", default=[32, 256, 2048])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--apply-repeats", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3, help="runs per figure (median and spread)")
+    parser.add_argument("--repeats", type=int, default=3, help="calls per run (their median is the run's figure)")
     args = parser.parse_args()
 
     # All planning timings first, then the applying ones: sharding thousands
     # of units leaves a larger, more scattered heap behind, which would slow
     # every later walk of a model and blur the per-size comparison.
-    planned = []
+    rows = []
     for blocks in args.blocks:
         model = build(blocks)
         modules = sum(1 for _ in model.modules())
-        plan_s = median_seconds(lambda: fsdptx.plan(model, PIPELINE, mp_policy=POLICY), args.repeats)
-        walk_s = median_seconds(lambda: list(model.named_modules()), args.repeats)
         units = len(fsdptx.plan(model, PIPELINE, mp_policy=POLICY).units)
-        planned.append((blocks, modules, units, plan_s, walk_s))
-    rows = [(*row, *time_apply(row[0], args.apply_repeats)) for row in planned]
+        del model
+        runs = [planning_run(blocks, args.repeats) for _ in range(args.runs)]
+        rows.append((blocks, modules, units, *(Figure([r[k] for r in runs]) for k in range(4))))
+    llama = llama_figure(args.repeats, args.runs)
+    applied = []
+    with fake_mesh((8,), ("dp",)) as mesh:
+        for blocks, *_ in rows:
+            runs = [apply_run(blocks, mesh, first=r % 2 == 0) for r in range(args.runs)]
+            applied.append((Figure([a for a, _ in runs]), Figure([b for _, b in runs])))
 
-    base = rows[0][3] / rows[0][1]
-    print(f"torch {torch.__version__}; median of {args.repeats} plan runs, {args.apply_repeats} apply runs\n")
+    print(f"torch {torch.__version__}; each figure: median of {args.runs} runs ± half their spread\n")
     print(
-        "| blocks | modules | units | plan ms | plan us/module | vs smallest | named_modules us/module "
-        "| apply_plan ms | bare fully_shard ms | apply overhead |"
+        "| blocks | modules | units | plan ms | plan us/module | vs smallest | plan+apply ms | vs plan "
+        "| imperative ms | vs plan | named_modules us/module | apply_plan ms | bare fully_shard ms | vs bare |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for blocks, modules, units, plan_s, walk_s, apply_s, bare_s in rows:
-        per_module = plan_s / modules
+    print("|---:" * 14 + "|")
+    base = rows[0][3].median / rows[0][1]
+    for (blocks, modules, units, plan_f, both_f, imp_f, walk_f), (apply_f, bare_f) in zip(rows, applied):
+        per_module = plan_f.median / modules
         print(
-            f"| {blocks} | {modules:,} | {units:,} | {plan_s * 1e3:.1f} | {per_module * 1e6:.2f} | "
-            f"{per_module / base:.2f}x | {walk_s / modules * 1e6:.2f} | {apply_s * 1e3:.0f} | {bare_s * 1e3:.0f} | "
-            f"{(apply_s / bare_s - 1) * 100:+.1f}% |"
+            f"| {blocks} | {modules:,} | {units:,} | {plan_f.ms()} | {per_module * 1e6:.2f} | "
+            f"{per_module / base:.2f}x | {both_f.ms()} | {ratio(both_f, plan_f)} | {imp_f.ms()} | "
+            f"{ratio(imp_f, plan_f)} | {walk_f.median / modules * 1e6:.2f} | {apply_f.ms()} | {bare_f.ms()} | "
+            f"{ratio(apply_f, bare_f)} |"
         )
-    print("\ntargets: <= 5 us/module at every size; largest <= 1.3x smallest per module; apply overhead <= 5%")
+    if llama is not None:
+        modules, figure = llama
+        print(
+            f"\nHugging Face Llama, 80 layers (70B shapes), meta device: {modules:,} modules, plan "
+            f"{figure.ms()} ms = {figure.median / modules * 1e6:.2f} us/module"
+        )
+    print(
+        "\ntargets: plan <= 5 us/module at every size, largest <= 1.15x smallest per module; "
+        "plan+apply <= 1.2x plan; imperative <= 1.2x plan at the largest size; apply_plan <= 1.05x bare"
+    )
 
 
 if __name__ == "__main__":
