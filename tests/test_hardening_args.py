@@ -9,6 +9,7 @@ a stale plan applied without a word.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -131,3 +132,29 @@ def test_no_split_modules_as_a_bare_string_is_one_class_name() -> None:
 def test_no_split_modules_of_the_wrong_type_names_the_attribute() -> None:
     with pytest.raises(TypeError, match="_no_split_modules"):
         fsdptx.plan(_Model(5), fsdptx.shard_by_dtype)
+
+
+class _Holderless(nn.Module):
+    """``wrapper`` owns nothing directly; its child ``inner`` owns the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrapper = nn.Sequential(nn.Linear(4, 4))
+        self.empty = nn.Identity()
+
+
+def test_reduction_glob_matching_only_modules_without_direct_parameters_is_refused() -> None:
+    mark = functools.partial(fsdptx.mark_reduction, reductions={"wrapper": "sum"})
+    with pytest.raises(fsdptx.PlanningError, match=r"'wrapper'.*none of which holds a parameter directly.*'wrapper\.\*'"):
+        fsdptx.plan(_Holderless(), mark)
+
+
+def test_exclusion_glob_matching_only_empty_subtrees_is_refused() -> None:
+    mark = functools.partial(fsdptx.mark_reduction, exclude=["empty"])
+    with pytest.raises(fsdptx.PlanningError, match="no parameter or buffer"):
+        fsdptx.plan(_Holderless(), mark)
+
+
+def test_exclusion_glob_on_a_parent_of_parameters_is_accepted() -> None:
+    p = fsdptx.plan(_Holderless(), functools.partial(fsdptx.mark_reduction, exclude=["wrapper"]))
+    assert p.exclusions == ("wrapper",)

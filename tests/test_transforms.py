@@ -352,10 +352,12 @@ def test_mark_reduction_option_reductions_override_model_declaration() -> None:
     assert dict(p.reductions) == {"head.weight": "mean", "layers.1.attn.q.weight": "sum"}
 
 
-def test_mark_reduction_marks_only_direct_parameters_of_matched_modules() -> None:
+def test_mark_reduction_refuses_a_glob_whose_modules_hold_no_direct_parameters() -> None:
+    """A mark applies to a module's own parameters: a glob on a pure
+    container would mark nothing, which used to pass silently."""
     transform = functools.partial(fsdptx.mark_reduction, reductions={"layers.0.attn": "sum"})
-    p = fsdptx.plan(make_decoder(), transform)
-    assert dict(p.reductions) == {}
+    with pytest.raises(fsdptx.PlanningError, match="none of which holds a parameter directly"):
+        fsdptx.plan(make_decoder(), transform)
 
 
 def test_mark_reduction_option_exclude_records_module_fqns() -> None:

@@ -391,6 +391,15 @@ def _matching(index: ModelIndex, patterns: Collection[str]) -> dict[str, list[st
     return out
 
 
+def _preview(items: Sequence[str], n: int = 3) -> str:
+    shown = ", ".join(repr(i) for i in items[:n])
+    return shown + (f" ... ({len(items)} modules)" if len(items) > n else "")
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
 def _declared_reductions(model: nn.Module, index: ModelIndex) -> dict[str, str]:
     """``_tp_replica_reductions`` plus what Hugging Face's TP plan implies
     (``replicated_with_grad_allreduce`` -> ``sum``); HF entries for layers a
@@ -441,6 +450,12 @@ def mark_reduction(
         matched = matches[pattern]
         if not matched:
             raise PlanningError(f"mark_reduction: reduction glob {pattern!r} matches no module of the model")
+        if not any(p is not None for fqn in matched for p in index.modules[fqn]._parameters.values()):
+            raise PlanningError(
+                f"mark_reduction: reduction glob {pattern!r} matches {_preview(matched)}, none of which holds "
+                "a parameter directly (a mark applies to a module's own parameters); point it at the "
+                "modules that own them, e.g. " + repr(pattern + ".*")
+            )
         for fqn in matched:
             for p in index.modules[fqn]._parameters.values():
                 if p is None:
@@ -458,6 +473,11 @@ def mark_reduction(
         matched = matches[pattern]
         if not matched:
             raise PlanningError(f"mark_reduction: exclusion glob {pattern!r} matches no module of the model")
+        if not any(_holds_tensors(index.modules[f]) for f in matched):
+            raise PlanningError(
+                f"mark_reduction: exclusion glob {pattern!r} matches {_preview(matched)}, whose subtrees hold "
+                "no parameter or buffer; nothing would stay rank-local"
+            )
         excluded.extend(f for f in matched if f not in excluded)
     return plan.replace(reductions=out, exclusions=tuple(excluded))
 
