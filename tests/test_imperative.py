@@ -149,7 +149,7 @@ def test_by_dtype_ignores_ignored_params_from_outside_the_module() -> None:
 def test_by_dtype_shards_children_before_modules_holding_the_minority_directly() -> None:
     block = FP32Scaled()
     prim = by_dtype(block)
-    assert prim.targets() == [block.mlp.down, block.mlp.up, block.mlp, block.proj, block]
+    assert prim.targets() == [[block.mlp.down, block.mlp.up], block.mlp, block.proj, block]
 
 
 def test_by_dtype_with_real_fully_shard_gives_direct_holders_units_of_their_own() -> None:

@@ -525,14 +525,30 @@ class _Descent:
     def split(self, fqn: str, module: nn.Module) -> None:
         """Give every parameter below ``module`` a unit below it, so that a
         unit of ``module`` then owns only its direct parameters: fully_shard
-        stops at submodules already sharded."""
+        stops at submodules already sharded.
+
+        Below a holder (a module with direct parameters of its own, such as
+        an attention module with fp32 sinks) the uniform children of one
+        group share ONE multi-module unit: q/k/v/o projections are one
+        all-gather and one reduce-scatter, not four. Elsewhere (the seed's
+        3+ group rule) each maximal uniform subtree stays a unit of its own.
+        """
+        merged: dict[DtypeKey, list[nn.Module]] = {}
+        holder = id(module) in self.direct
         for cf, child in self.children(fqn, module):
             st = self.state.get(id(child), _EMPTY)
             if st is _MIXED:
                 self.split(cf, child)
                 self.own(child)
+            elif st is not _EMPTY and holder:
+                merged.setdefault(st, []).extend(m for _f, m in _shardable(cf, child, self.r.sharded))  # type: ignore[arg-type]
             elif st is not _EMPTY:
                 self.uniform(cf, child, st)  # type: ignore[arg-type]
+        r = self.r
+        for key, modules in merged.items():
+            claimed = claim(r.index, modules, r.sharded)
+            self.reached.update(id(p) for _q, p in claimed)
+            r.add(modules, "dtype", r.policy(key[1], True), self.reshard, claimed)
 
     def own(self, module: nn.Module) -> None:
         """The unit of a split module, owning its direct parameters (and any
