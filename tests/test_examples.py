@@ -63,3 +63,11 @@ def test_train_torchrun_example_dp2_tp2_sp_loss_falls() -> None:
     assert len(losses) == 8, output
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_compose_pipeline_example_prints_its_plan_and_trains() -> None:
+    """Two torchrun ranks: the plan table (with the cross-block unit of the
+    fp32 holders) is printed before anything is sharded, then three steps."""
+    output = _torchrun("examples/compose_pipeline.py", 2)
+    assert "cross-block  layers.*.sinks (x4)" in output, output
+    assert sum(line.startswith("step ") for line in output.splitlines()) == 3, output
