@@ -20,11 +20,8 @@ Run: ``PYTHONPATH=. python benchmarks/manager.py [--blocks 32 256] [--repeats 3]
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
-import time
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,6 +36,8 @@ from fsdptx._meshes import fsdp_mesh, tp_mesh
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import fake_mesh, record_collectives
 from fsdptx.tp import tp_styles_by_module
+
+from _timing import seconds  # benchmarks/ is on sys.path when run as a script
 
 MESH = ((2, 2), ("dp", "tp"))
 CONFIG = FSDP2Config(sequence_parallel=True, activation_checkpointing="full", mp_policy=None)
@@ -67,17 +66,6 @@ def by_hand(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
             block.set_modules_to_backward_prefetch([model.get_submodule(m) for m in chain.backward])
 
 
-def timed(fn: Callable[[], object]) -> float:
-    gc.collect()
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    finally:
-        gc.enable()
-
-
 def compare(blocks: int, repeats: int, mesh: DeviceMesh) -> tuple[float, float, float, float]:
     """Median seconds (manager, hand loop) and their spreads (max - min)."""
     manager = FSDP2Manager(CONFIG, mesh)
@@ -85,11 +73,11 @@ def compare(blocks: int, repeats: int, mesh: DeviceMesh) -> tuple[float, float, 
 
     def run_manager() -> float:
         model = build(blocks)
-        return timed(lambda: manager.parallelize(model))
+        return seconds(lambda: manager.parallelize(model), collect_first=True)
 
     def run_hand() -> float:
         model = build(blocks)
-        return timed(lambda: by_hand(model, plan, mesh))
+        return seconds(lambda: by_hand(model, plan, mesh), collect_first=True)
 
     run_manager(), run_hand()  # warm-up: first calls pay one-off imports and caches
     ours: list[float] = []

@@ -33,9 +33,7 @@ Usage: python benchmarks/plan_scaling.py [--blocks 32 256 2048] [--runs 3]
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -46,6 +44,8 @@ import fsdptx
 from fsdptx.planning._apply import shard_kwargs
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import fake_mesh
+
+from _timing import seconds  # benchmarks/ is on sys.path when run as a script
 
 PIPELINE = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -65,17 +65,6 @@ def build(blocks: int) -> nn.Module:
                 vocab=256, dim=64, hidden=128, layers=blocks, fp32_holders=True, sibling_dtype=torch.bfloat16
             )
         )
-
-
-def seconds(fn: Callable[[], object]) -> float:
-    """Wall time of one ``fn()`` with the garbage collector paused."""
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    finally:
-        gc.enable()
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:

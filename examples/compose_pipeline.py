@@ -13,7 +13,6 @@ each storage dtype its own unit and puts all blocks' sinks in one unit.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -21,6 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptx
 from fsdptx.presets import Decoder, DecoderConfig
+
+from _launch import exit_without_teardown  # examples/ is on sys.path when run as a script
 
 
 def main() -> None:
@@ -56,19 +57,6 @@ def main() -> None:
             print(f"step {step}: mean loss {reported.item() / dist.get_world_size():.4f}")
     dist.destroy_process_group()
 
-
-def exit_without_teardown() -> None:
-    """Leave the process once the work is done and the group is destroyed.
-
-    With torch 2.13, FSDP2 on gloo can abort the interpreter's final cleanup
-    ("terminate called without an active exception", SIGABRT) after
-    everything succeeded; plain torch reproduces it in 2 of 12 runs. Skipping
-    that cleanup, after flushing output, keeps the exit code meaning what
-    the job did.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

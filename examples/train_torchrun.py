@@ -16,7 +16,6 @@ rank. Rank 0 prints the dry-run plan, then the loss of each step.
 from __future__ import annotations
 
 import os
-import sys
 from datetime import timedelta
 
 import torch
@@ -26,6 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptx
 from fsdptx.presets import Decoder, DecoderConfig
+
+from _launch import exit_without_teardown  # examples/ is on sys.path when run as a script
 
 STEPS = 8
 MICRO_BATCHES = 2
@@ -71,19 +72,6 @@ def main() -> None:
             print(f"step {step}: loss {total.item() / 2:.4f} ({synced} replicated gradients synced)", flush=True)
     dist.destroy_process_group()
 
-
-def exit_without_teardown() -> None:
-    """Leave the process once the work is done and the group is destroyed.
-
-    With torch 2.13, FSDP2 on gloo can abort the interpreter's final cleanup
-    ("terminate called without an active exception", SIGABRT) after
-    everything succeeded; plain torch reproduces it in 2 of 12 runs. Skipping
-    that cleanup, after flushing output, keeps the exit code meaning what
-    the job did.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
