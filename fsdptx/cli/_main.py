@@ -236,15 +236,15 @@ def param_shards(model: nn.Module, p: Plan, dims: ParallelDims, *, fsdp_applied:
     otherwise FSDP's split is computed from the shape."""
     owned = p.owned_params
     by_id: dict[int, tuple[str, torch.Tensor]] = {}
-    for fqn, param in model.named_parameters(remove_duplicate=False):
-        seen = by_id.get(id(param))
-        if seen is None or (fqn in owned and seen[0] not in owned):
-            by_id[id(param)] = (fqn, param)
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        seen = by_id.get(id(tensor))
+        if seen is None or (name in owned and seen[0] not in owned):
+            by_id[id(tensor)] = (name, tensor)
     out: dict[str, ParamShard] = {}
     for fqn, param in sorted(by_id.values(), key=lambda item: item[0]):
         tp_dim = _tp_dim(param)
         if fsdp_applied:
-            local = param._local_tensor if isinstance(param, DTensor) else param
+            local: torch.Tensor = param._local_tensor if isinstance(param, DTensor) else param
             local_numel = local.numel()
         else:
             shards = dims.dp_shard if fqn in owned else 1

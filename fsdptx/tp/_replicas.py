@@ -486,14 +486,14 @@ def _plan(
                     slots.append(i)
                     spans.append((offset, n, shapes[i]))
                 else:
-                    start = piece.storage_offset()
+                    start = int(piece.storage_offset())
                     slots.append((i, start, start + n))
                     spans.append((offset, n, None))
                 offset += n
                 if means[i]:
                     mean_numel = offset
-            whole = slots if all(isinstance(slot, int) for slot in slots) else None
-            chunks.append(_Chunk(slots, spans, offset, mean_numel, whole=whole))  # type: ignore[arg-type]
+            whole_slots = slots if all(isinstance(slot, int) for slot in slots) else None
+            chunks.append(_Chunk(slots, spans, offset, mean_numel, whole=whole_slots))  # type: ignore[arg-type]
         groups.append(_Group(device, dtype, has_mean, chunks))
     return _Plan(key, groups)
 

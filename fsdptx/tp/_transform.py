@@ -56,7 +56,9 @@ def declared_tp_plan(model: nn.Module) -> dict[str, StyleSpec]:
 
     own = model.__dict__.get("_tp_plan", getattr(type(model), "_tp_plan", None))
     if own is None:
-        return hf_tp_plan(model)  # a wrapper around Hugging Face models: their plans, prefixed
+        found: dict[str, StyleSpec] = {}
+        found.update(hf_tp_plan(model))  # a wrapper around Hugging Face models: their plans, prefixed
+        return found
     if not isinstance(own, Mapping):
         raise TypeError(f"{type(model).__name__}._tp_plan must be a mapping of module glob -> style, got {type(own).__name__}")
     return dict(own)
