@@ -1,7 +1,8 @@
 """Real Hugging Face models, sharded by fsdptx's defaults, train like one
 process on 2 gloo ranks.
 
-- Qwen3 (tied embeddings) with Hugging Face's own TP plan on tp=2: q/k/v/
+- Qwen3 (tied embeddings) with Hugging Face's own TP plan on tp=2, with and
+  without sequence parallelism: q/k/v/
   gate/up colwise, o/down rowwise, vocabulary-sharded embedding tied to the
   gathered LM head, and ``q_norm``/``k_norm`` declared
   ``replicated_with_grad_allreduce``. Those norms normalize only the rank's
@@ -80,7 +81,7 @@ def reference(name: str, batch: int) -> tuple[list[float], dict[str, torch.Tenso
     return losses, full_params(model)
 
 
-def _train_tp(mesh: Any, reduction: str | None) -> dict[str, Any]:
+def _train_tp(mesh: Any, reduction: str | None, sequence_parallel: bool = False) -> dict[str, Any]:
     """Qwen3 on tp=2; ``reduction`` replaces the norms' declared reduction
     (the control): their ``replicated_with_grad_allreduce`` entries are
     dropped from the TP plan and the model marks them itself."""
@@ -90,7 +91,8 @@ def _train_tp(mesh: Any, reduction: str | None) -> dict[str, Any]:
         norms = ("model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm")
         tp_plan = {g: s for g, s in fsdptx.hf.hf_tp_plan(model).items() if g not in norms}
         model._tp_replica_reductions = dict.fromkeys(norms, reduction)
-    manager = fsdptx.FSDP2Manager(fsdptx.FSDP2Config(mp_policy=None, tp_plan=tp_plan), mesh)
+    config = fsdptx.FSDP2Config(mp_policy=None, tp_plan=tp_plan, sequence_parallel=sequence_parallel)
+    manager = fsdptx.FSDP2Manager(config, mesh)
     plan = manager.plan(model)
     manager.parallelize(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -129,6 +131,7 @@ def _worker(rank: int, world_size: int, jobs: tuple[str, ...]) -> dict[str, dict
         tp = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
         out["qwen3"] = _train_tp(tp, None)
         out["qwen3_mean"] = _train_tp(tp, "mean")
+        out["qwen3_sp"] = _train_tp(tp, None, sequence_parallel=True)
     if "gpt_oss" in jobs:
         dp = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
         out["gpt_oss"] = _train_dp(dp, rank)
@@ -163,6 +166,15 @@ def test_qwen3_with_hf_tp_plan_on_tp2_matches_single_process(runs: list[dict[str
     ref = reference("qwen3_tied", BATCH)
     for result in runs:
         assert_parity(result["qwen3"], ref)
+
+
+def test_qwen3_with_sequence_parallelism_on_tp2_matches_single_process(runs: list[dict[str, dict[str, Any]]]) -> None:
+    """The sequence is split where the first block receives it (the
+    embedding returns it whole: rotary positions come from its length),
+    norms run on the local half, attention and MLP gather it back."""
+    ref = reference("qwen3_tied", BATCH)
+    for result in runs:
+        assert_parity(result["qwen3_sp"], ref)
 
 
 def test_qwen3_with_mean_marks_on_q_and_k_norms_misses_the_reference(runs: list[dict[str, dict[str, Any]]]) -> None:

@@ -11,6 +11,7 @@ Models are built tiny on the meta device from their config classes
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import pytest
@@ -127,3 +128,15 @@ def fsdptx_state(module: nn.Module) -> object:
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard.state(module)  # type: ignore[attr-defined]
+
+
+def test_sequence_parallelism_leaves_a_stack_without_tp_alone() -> None:
+    """Gemma3's vision tower is not in the TP plan: its norms must not be
+    put on a sequence shard; the language model's blocks are."""
+    model = hf_zoo.ZOO["gemma3_multimodal"]("meta")
+    p = fsdptx.plan(model, functools.partial(fsdptx.tensor_parallel, sequence_parallel=True))
+    assert p.tensor_parallel is not None
+    modules = [a.module for a in p.tensor_parallel.assignments]
+    assert not [m for m in modules if m.startswith("model.vision_tower")]
+    assert "model.language_model.layers.0" in modules
+    assert "model.language_model.layers.0.input_layernorm" in modules

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from fsdptx import Plan, PlanningError, compose, mark_reduction, plan, shard_by_dtype, tensor_parallel
 from fsdptx.presets import Decoder, DecoderConfig
-from fsdptx.tp import GatherSequence
+from fsdptx.tp import GatherSequence, ShardSequence
 
 LAYERS = 3
 
@@ -107,7 +107,6 @@ _SP: dict[str, tuple[str, tuple[type, tuple[Any, ...], tuple[Any, ...]]]] = {
     "rowwise": ("layers.0.attn.o_proj", (RowwiseParallel, (Shard(-1),), (Shard(1),))),
     "colwise_rep": ("lm_head", (ColwiseParallel, (Shard(1),), (Replicate(),))),
     "rowwise_rep": ("layers.0.attn.o_proj", (RowwiseParallel, (Replicate(),), (Shard(1),))),
-    "embedding_rowwise": ("embed_tokens", (RowwiseParallel, (Replicate(),), (Shard(1),))),
 }
 
 
@@ -115,6 +114,19 @@ _SP: dict[str, tuple[str, tuple[type, tuple[Any, ...], tuple[Any, ...]]]] = {
 def test_sequence_parallel_variants_put_the_stream_on_the_sequence_dim(name: str) -> None:
     fqn, want = _SP[name]
     assert _layouts(_styles(_tp(_decoder(), plan={fqn: name}, sequence_parallel=True))[fqn]) == want
+
+
+def test_under_sequence_parallelism_the_embedding_returns_the_whole_sequence() -> None:
+    """Models derive positions (rotary tables, masks) from the embedding
+    output's length, so it stays whole; the first block slices it."""
+    style = _styles(_tp(_decoder(), plan={"embed_tokens": "embedding_rowwise"}, sequence_parallel=True))["embed_tokens"]
+    assert _layouts(style) == (RowwiseParallel, (Replicate(),), (Replicate(),))
+
+
+def test_under_sequence_parallelism_the_first_block_keeps_its_slice_of_the_sequence() -> None:
+    styles = _styles(_tp(_decoder(), sequence_parallel=True))
+    assert isinstance(styles["layers.0"], ShardSequence)
+    assert not any(f"layers.{i}" in styles for i in range(1, LAYERS))
 
 
 def test_rowwise_on_an_embedding_takes_replicated_token_ids() -> None:
@@ -142,11 +154,11 @@ def test_an_unknown_style_name_is_an_error_naming_it() -> None:
 # ----------------------------------------------------------- sequence parallelism
 
 
-def test_sequence_parallel_adds_norms_gathers_and_nothing_else() -> None:
+def test_sequence_parallel_adds_the_first_block_slice_norms_gathers_and_nothing_else() -> None:
     names = _names(_tp(_decoder(), sequence_parallel=True))
     declared = set(_names(_tp(_decoder())))
     added = {f: s for f, s in names.items() if f not in declared}
-    want = {"norm": "sequence_parallel (sp)"}
+    want = {"norm": "sequence_parallel (sp)", "layers.0": "shard_sequence (sp)"}
     for i in range(LAYERS):
         want.update(
             {

@@ -3,12 +3,13 @@ it understands (``_styles``, ``_transform``), the TP-replica marks
 (``_marks``) and the replica broadcast and gradient synchronization
 (``_replicas``)."""
 
-from ._styles import STYLE_NAMES, GatherSequence, describe_style
+from ._styles import STYLE_NAMES, GatherSequence, ShardSequence, describe_style
 from ._transform import check_tensor_parallel, declared_tp_plan, tensor_parallel, tp_styles_by_module
 
 __all__ = [
     "STYLE_NAMES",
     "GatherSequence",
+    "ShardSequence",
     "check_tensor_parallel",
     "declared_tp_plan",
     "describe_style",

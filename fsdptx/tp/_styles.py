@@ -19,7 +19,9 @@ between blocks is sharded on the sequence dim (``Shard(1)``):
   replicated and is sliced here.
 - ``embedding_colwise``: the embedding dim is sharded and gathered.
 - ``embedding_rowwise`` / ``rowwise`` on an embedding: vocabulary-sharded
-  lookup, partial outputs all-reduced (under SP reduce-scattered).
+  lookup, partial outputs all-reduced; under SP too, since models derive
+  positions from the embedding output's length: the first block of the
+  stack keeps its rank's slice instead (:class:`ShardSequence`).
 - ``sequence_parallel``: a norm run on the local sequence shard; its weight
   is a replicated DTensor, so DTensor sums its partial gradients.
 - ``replicated_with_grad_allreduce``: not a torch style. The module stays a
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -48,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 
 __all__ = [
     "GatherSequence",
+    "ShardSequence",
     "REPLICA_SUM_STYLES",
     "UNSUPPORTED_STYLES",
     "STYLE_NAMES",
@@ -69,15 +72,21 @@ _FACTORIES: dict[str, tuple[Callable[[], ParallelStyle], Callable[[], ParallelSt
         lambda: RowwiseParallel(input_layouts=Replicate()),
         lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=SEQ),
     ),
+    # Embeddings return the whole sequence under SP too: models derive
+    # positions (rotary tables, masks) from the embedding output's length,
+    # so the sequence is split where the first block receives it instead.
     "embedding_rowwise": (
         lambda: RowwiseParallel(input_layouts=Replicate()),
-        lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=SEQ),
+        lambda: RowwiseParallel(input_layouts=Replicate()),
     ),
     "embedding_colwise": (
         lambda: ColwiseParallel(output_layouts=Replicate()),
-        lambda: ColwiseParallel(output_layouts=SEQ),
+        lambda: ColwiseParallel(output_layouts=Replicate()),
     ),
-    "sequence_parallel": (SequenceParallel, SequenceParallel),
+    # Local outputs: norms whose output is added straight onto the plain
+    # residual stream (Gemma's post-norms) must not hand back a DTensor. The
+    # weight stays a replicated DTensor, so its partial gradients are summed.
+    "sequence_parallel": (SequenceParallel, lambda: SequenceParallel(use_local_output=True)),
 }
 # Hugging Face 5.x spellings of the same layouts.
 _FACTORIES["colwise_gather_output"] = _FACTORIES["colwise_rep"]
@@ -120,47 +129,68 @@ def style_for(name: str, module: nn.Module, sequence_parallel: bool) -> Parallel
     return sp() if sequence_parallel else plain()
 
 
-class GatherSequence(ParallelStyle):
-    """Under sequence parallelism, all-gather a module's hidden-states input
-    from ``Shard(1)`` to the full sequence at its boundary.
+_RELAID = "_fsdptx_relaid_by"
 
-    Placed on the parent of colwise projections (attention, MLP), so the
-    gather happens once per module rather than once per projection, and the
-    module's own code (which may reshape by the input's sequence length) sees
-    the full sequence. The hidden states are the first positional tensor, or
-    the ``hidden_states`` keyword (how Hugging Face layers call attention).
-    torch's ``PrepareModuleInput`` needs the exact number of positional
-    inputs, which differs between architectures; this style needs none.
-    """
+
+class _HiddenStatesInput(ParallelStyle):
+    """Re-lays a module's hidden-states input (the first positional tensor,
+    or the ``hidden_states`` keyword, as Hugging Face layers are called) and
+    leaves every other argument alone. torch's ``PrepareModuleInput`` needs
+    the exact number of positional inputs, which differs between
+    architectures; these styles need none."""
+
+    source: Placement
+    target: Placement
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
+        def convert(t: Any) -> Any:
+            # A tensor this style produced is left alone: activation
+            # checkpointing recomputes a block by calling it again with the
+            # arguments it saved, which already went through this hook.
+            if not isinstance(t, torch.Tensor) or getattr(t, _RELAID, None) is self:
                 return t
-            dt = t if isinstance(t, DTensor) else DTensor.from_local(t, device_mesh, (SEQ,), run_check=False)
-            return dt.redistribute(device_mesh, (Replicate(),)).to_local()
+            dt = t if isinstance(t, DTensor) else DTensor.from_local(t, device_mesh, (self.source,), run_check=False)
+            out = dt.redistribute(device_mesh, (self.target,)).to_local()
+            setattr(out, _RELAID, self)
+            return out
 
-        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
             if args:
-                return (gather(args[0]), *args[1:]), kwargs
+                return (convert(args[0]), *args[1:]), kwargs
             if "hidden_states" in kwargs:
-                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+                return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"])}
             raise RuntimeError(
-                f"GatherSequence on {type(_m).__name__}: found neither a positional input nor a "
-                "hidden_states keyword to gather; pass an explicit plan= for this module"
+                f"{type(self).__name__} on {type(m).__name__}: found neither a positional input nor a "
+                "hidden_states keyword; pass an explicit plan= for this module"
             )
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
 
     def __repr__(self) -> str:
-        return "GatherSequence(Shard(1) -> Replicate)"
+        return f"{type(self).__name__}({self.source} -> {self.target})"
 
 
-def shard_sequence_output() -> ParallelStyle:
-    """An embedding outside the TP plan returns the full sequence on every TP
-    rank; under SP the stream after it is ``Shard(1)``: keep the local slice."""
-    return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=SEQ)
+class GatherSequence(_HiddenStatesInput):
+    """Under sequence parallelism, all-gather a module's hidden states from
+    ``Shard(1)`` to the full sequence at its boundary.
+
+    Placed on the parent of colwise projections (attention, MLP), so the
+    gather happens once per module rather than once per projection, and the
+    module's own code (which may reshape by the input's sequence length) sees
+    the full sequence.
+    """
+
+    source, target = SEQ, Replicate()
+
+
+class ShardSequence(_HiddenStatesInput):
+    """Under sequence parallelism, keep this TP rank's slice of the sequence
+    as the first block receives the (replicated) embedding output: from here
+    to the final norm the residual stream is ``Shard(1)``. A slice, no
+    communication."""
+
+    source, target = Replicate(), SEQ
 
 
 def describe_style(style: ParallelStyle) -> str:

@@ -31,8 +31,8 @@ from ._styles import (
     SEQ,
     STYLE_NAMES,
     GatherSequence,
+    ShardSequence,
     describe_style,
-    shard_sequence_output,
     style_for,
 )
 
@@ -94,8 +94,10 @@ def tensor_parallel(
     outputs are reduce-scattered onto the sequence dim; the parents of
     colwise projections gather the sequence once at their boundary; the
     norms of each block and of the backbone run on the local sequence shard
-    (``SequenceParallel``); an input embedding outside the plan keeps its
-    local sequence slice, and an output head outside the plan gathers it.
+    (``SequenceParallel``); the first block of each TP stack keeps its
+    rank's slice of the sequence (embeddings return it whole: models derive
+    positions from its length), and an output head outside the plan gathers
+    it.
     Plain parameters left on the sequence-sharded stream of a block (a
     holder added to the residual, a gate) get a ``sum`` TP-replica mark:
     each TP rank's gradient covers only its tokens.
@@ -152,8 +154,9 @@ def tensor_parallel(
     if problems:
         raise PlanningError("tensor_parallel: the TP plan does not fit the model:\n  - " + "\n  - ".join(problems))
     if sequence_parallel:
-        _add_sequence_boundaries(model, index, assigned)
-        for fqn in _on_sequence_shard(index, assigned):
+        stacks = _tp_stacks(index, assigned)
+        _add_sequence_boundaries(model, index, assigned, stacks)
+        for fqn in _on_sequence_shard(index, assigned, stacks):
             _mark_sum(index, fqn, reductions, "<sequence parallel>", problems)
         if problems:
             raise PlanningError("tensor_parallel: " + "; ".join(problems))
@@ -176,12 +179,31 @@ def _mark_sum(index: ModelIndex, fqn: str, out: dict[str, Reduction], pattern: s
         out[name] = "sum"
 
 
-def _add_sequence_boundaries(model: nn.Module, index: ModelIndex, assigned: dict[str, TPAssignment]) -> None:
+def _tp_stacks(index: ModelIndex, assigned: dict[str, TPAssignment]) -> dict[str, list[str]]:
+    """The block stacks the declared plan tensor-parallelizes: parent
+    container -> its blocks in order. Sequence parallelism applies to these
+    only; a stack without TP (a vision tower beside the language model)
+    keeps its own layout."""
+    stacks: dict[str, list[str]] = {}
+    for b in index.blocks:
+        stacks.setdefault(b.rpartition(".")[0], []).append(b)
+    return {
+        parent: blocks
+        for parent, blocks in stacks.items()
+        if any(f.startswith(b + ".") for b in blocks for f in assigned)
+    }
+
+
+def _add_sequence_boundaries(
+    model: nn.Module, index: ModelIndex, assigned: dict[str, TPAssignment], stacks: dict[str, list[str]]
+) -> None:
     """Styles that sequence parallelism needs where the declared plan says
-    nothing: gathers before colwise projections, norms on the local shard,
-    and the embedding/head boundaries of the sequence-sharded stream."""
-    blocks = set(index.blocks)
-    backbones = {b.rpartition(".")[0].rpartition(".")[0] for b in blocks}
+    nothing: the first block of each TP stack keeps its slice of the
+    sequence, parents of colwise projections gather it back, the norms of
+    the blocks and of the backbone run on the local shard, and an output
+    head outside the plan gathers the sequence."""
+    blocks = {b for stack in stacks.values() for b in stack}
+    backbones = {parent.rpartition(".")[0] for parent in stacks}
     for fqn in sorted(assigned):
         a = assigned[fqn]
         if isinstance(a.parallel_style, ColwiseParallel) and a.style == "colwise":
@@ -193,16 +215,17 @@ def _add_sequence_boundaries(model: nn.Module, index: ModelIndex, assigned: dict
         if fqn and fqn not in assigned and _is_norm(module) and (parent in blocks or parent in backbones):
             if any(p is not None for p in module._parameters.values()):
                 assigned[fqn] = TPAssignment(fqn, "sequence_parallel (sp)", "<sequence parallel>", style_for("sequence_parallel", module, True))
-    embed = _named_module(model, index, "get_input_embeddings")
-    if embed is not None and embed not in assigned:
-        assigned[embed] = TPAssignment(embed, "shard_sequence_output (sp)", "<sequence parallel>", shard_sequence_output())
-    head = _named_module(model, index, "get_output_embeddings")
+    for stack in stacks.values():
+        first = stack[0]
+        if first not in assigned:
+            assigned[first] = TPAssignment(first, "shard_sequence (sp)", "<sequence parallel>", ShardSequence())
+    head = _output_head(model, index)
     if head is not None and head not in assigned:
         gather = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),))
         assigned[head] = TPAssignment(head, "gather_sequence_input (sp)", "<sequence parallel>", gather)
 
 
-def _on_sequence_shard(index: ModelIndex, assigned: dict[str, TPAssignment]) -> list[str]:
+def _on_sequence_shard(index: ModelIndex, assigned: dict[str, TPAssignment], stacks: dict[str, list[str]]) -> list[str]:
     """Modules with plain parameters that run on the sequence-sharded stream.
 
     Under sequence parallelism the residual stream between TP regions holds
@@ -212,9 +235,9 @@ def _on_sequence_shard(index: ModelIndex, assigned: dict[str, TPAssignment]) -> 
     gradient on each TP rank is a partial sum over disjoint tokens: the
     reduction that math requires is ``sum``. Modules inside a TP region
     (under a gathering parent or a sharded projection) are not on the
-    stream, and neither is anything outside the blocks.
+    stream, and neither is anything outside the TP stacks' blocks.
     """
-    blocks = index.blocks
+    blocks = [b for stack in stacks.values() for b in stack]
     found = []
     for fqn, module in index.modules.items():
         if fqn in assigned or not any(p is not None for p in module._parameters.values()):
@@ -229,11 +252,10 @@ def _on_sequence_shard(index: ModelIndex, assigned: dict[str, TPAssignment]) -> 
     return found
 
 
-def _named_module(model: nn.Module, index: ModelIndex, getter: str) -> str | None:
-    """The FQN of the module a Hugging Face style getter returns; for other
-    models the embedding / head found by convention (the only ``nn.Embedding``
-    outside the blocks; a root ``lm_head``)."""
-    fn = getattr(model, getter, None)
+def _output_head(model: nn.Module, index: ModelIndex) -> str | None:
+    """The FQN of the output head: what a Hugging Face model's
+    ``get_output_embeddings`` returns, else a root ``lm_head`` Linear."""
+    fn = getattr(model, "get_output_embeddings", None)
     if callable(fn):
         try:
             found = fn()
@@ -241,14 +263,7 @@ def _named_module(model: nn.Module, index: ModelIndex, getter: str) -> str | Non
             found = None
         if isinstance(found, nn.Module):
             return index.fqn_of_module.get(id(found))
-    if getter == "get_output_embeddings":
-        return "lm_head" if isinstance(index.modules.get("lm_head"), nn.Linear) else None
-    blocks = index.blocks
-    embeds = [
-        f for f, m in index.modules.items()
-        if isinstance(m, nn.Embedding) and not any(f.startswith(b + ".") for b in blocks)
-    ]
-    return embeds[0] if len(embeds) == 1 else None
+    return "lm_head" if isinstance(index.modules.get("lm_head"), nn.Linear) else None
 
 
 _HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
