@@ -336,10 +336,12 @@ def _format_requests(plan: Plan) -> list[str]:
             by_style.setdefault((re.sub(r"(?<![^.])\d+(?![^.])", "*", a.module), a.style), []).append(a.module)
         sp = " with sequence parallelism" if tp.sequence_parallel else ""
         lines.append(f"tensor parallel{sp}: {len(tp.assignments)} modules")
-        width = max((len(k[0]) for k in by_style), default=0)
-        for (pattern, style), mods in by_style.items():
-            count = f" (x{len(mods)})" if len(mods) > 1 else ""
-            lines.append(f"  {pattern.ljust(width)}  {style}{count}")
+        # A pattern stands for several modules; a single module shows as itself.
+        rows = [(mods[0] if len(mods) == 1 else pattern, style, len(mods)) for (pattern, style), mods in by_style.items()]
+        width = max((len(r[0]) for r in rows), default=0)
+        for shown, style, n in rows:
+            count = f" (x{n})" if n > 1 else ""
+            lines.append(f"  {shown.ljust(width)}  {style}{count}")
         for pattern, style, why in tp.skipped:
             lines.append(f"  {pattern.ljust(width)}  {style}: not a torch style, {why}")
     if plan.checkpointing is not None:
