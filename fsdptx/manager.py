@@ -26,6 +26,7 @@ from .planning._apply import apply_plan
 from .planning._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
 from ._meshes import ParallelDims, parallel_dims, tp_mesh
 from .planning._plan import Plan
+from .planning._planner import discover_blocks
 from .planning._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
 from .planning._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
 from .tp import check_tensor_parallel, tensor_parallel
@@ -262,19 +263,9 @@ class FSDP2Manager:
             _enable_async_tp(self.device_mesh)
         if not (self.config.enable_compile or async_tp):
             return model
-        for fqn in _compile_targets(model, self.plan_blocks(model)):
+        for fqn in discover_blocks(model) or ("",):
             model.get_submodule(fqn).compile()
         return model
-
-    def plan_blocks(self, model: nn.Module) -> tuple[str, ...]:
-        """The block FQNs the manager treats as units (for compile)."""
-        from .planning._planner import ModelIndex
-
-        return ModelIndex.build(model).blocks
-
-
-def _compile_targets(model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:
-    return blocks if blocks else ("",)
 
 
 def _enable_async_tp(mesh: DeviceMesh) -> None:

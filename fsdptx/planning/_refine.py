@@ -114,8 +114,9 @@ def prefetch(model: nn.Module, plan: Plan, /, *, forward_depth: int = 1, backwar
     for name, depth in (("forward_depth", forward_depth), ("backward_depth", backward_depth)):
         if type(depth) is not int or depth < 0:
             raise PlanningError(f"prefetch: {name} must be a non-negative int, got {depth!r}")
-    blocks = [u.modules[0] for _i, u in block_units(plan)]
-    resharded = any(u.reshard_after_forward is not False for _i, u in block_units(plan))
+    units = [u for _i, u in block_units(plan)]
+    blocks = [u.modules[0] for u in units]
+    resharded = any(u.reshard_after_forward is not False for u in units)
     if not blocks or not resharded or (forward_depth == 0 and backward_depth == 0):
         return plan.replace(prefetch=())
     chains = tuple(
