@@ -28,6 +28,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdptx
 from fsdptx import Plan, PlanningError
+from fsdptx.planning._apply import _check_in_full
+from fsdptx.planning._snapshot import vouched_modules
 from fsdptx.testing import fake_mesh
 from fsdptx.testing.strategies import ModuleSpec, TreeSpec, build_module, tree_specs
 
@@ -356,3 +358,25 @@ def test_compose_equals_cross_blocks_then_dtype_step_by_step(
 
     composed = plan_or_error(model, fsdptx.compose(by_dtype_t, across_t), mp_policy)
     assert composed == plan_or_error(model, step_by_step, mp_policy)
+
+
+@PLAN_SETTINGS
+@given(spec=tree_specs(max_ties=2), mp_policy=policies, tokens=fp32_tokens, data=st.data())
+def test_planning_vouches_only_for_what_the_full_check_accepts(
+    spec: TreeSpec, mp_policy: MixedPrecisionPolicy | None, tokens: tuple[str, ...], data: st.DataObject
+) -> None:
+    """Invariant: a plan that planning vouches for passes the full check on
+    the unchanged model (which re-derives every unit's claims), and both
+    resolve the same modules for every unit: skipping the re-derivation
+    never accepts what the full check would refuse."""
+    model = build_module(spec)
+    blocks = data.draw(block_choices(model))
+    pipeline = fsdptx.compose(by_dtype(blocks, tokens), fsdptx.mark_reduction)
+    try:
+        p = fsdptx.plan(model, pipeline, mp_policy=mp_policy)
+    except PlanningError:
+        return
+    vouched = vouched_modules(p, model)
+    assert vouched is not None
+    full = _check_in_full(p, model)
+    assert [[id(m) for m in ms] for ms in vouched] == [[id(m) for m in ms] for ms in full]

@@ -19,11 +19,13 @@ from torch.distributed.tensor.parallel import parallelize_module as torch_parall
 from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, create_selective_checkpoint_contexts
 
 from .._args import require_module
-from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reduction
+from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions
 from .._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
-from ._plan import Checkpointing, Plan, Unit
+from ._plan import Checkpointing, Plan, Reduction, Unit
 from ._planner import ModelIndex, claim, is_container
+from ._snapshot import vouched_modules
 from .._policy import primitive_policy
+from .._tree import get_module_from_path
 from ..tp._transform import check_tensor_parallel, tied_tp_groups, tp_styles_by_module
 
 __all__ = ["PlanMismatchError", "apply_plan", "check_plan", "shard_kwargs"]
@@ -56,39 +58,65 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     plan says (the plan is not stale); trainable parameters of a unit share one
     storage dtype (FSDP2's assertion, caught early); no scalar parameters;
     ``reshard_after_forward`` values are ones the primitive accepts.
+
+    A plan whose units the planner resolved against this model, unchanged
+    since (same walk signature: see :mod:`fsdptx.planning._snapshot`), has
+    its claims, dtypes and names vouched for; only what can change without
+    the signature changing is checked again.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"check_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
     require_module(model, "model", "check_plan")
+    vouched = vouched_modules(plan, model)
+    if vouched is not None:
+        problems: list[str] = []
+        for i, (unit, mods) in enumerate(zip(plan.units, vouched)):
+            problems.extend(_settings_problems(i, unit))
+            problems.extend(_module_problems(i, unit.modules, mods))
+        _fail(problems)
+        return vouched
+    return _check_in_full(plan, model)
+
+
+def _module_problems(i: int, fqns: tuple[str, ...], mods: list[nn.Module]) -> list[str]:
+    """A unit module must not be an FSDP module already, nor a container
+    without forward (which ``fully_shard`` rejects)."""
+    problems = []
+    for fqn, m in zip(fqns, mods):
+        if isinstance(m, FSDPModule):
+            problems.append(f"unit {i}: module {fqn!r} is already sharded (an FSDP module)")
+        elif is_container(m):
+            problems.append(
+                f"unit {i}: module {fqn!r} is a {type(m).__name__} without forward, which "
+                "fully_shard rejects; plan its elements instead"
+            )
+    return problems
+
+
+def _check_in_full(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
+    """Re-derive every unit's claims on ``model`` as it is now."""
     index = ModelIndex.build(model)
     problems: list[str] = []
     resolved: list[list[nn.Module]] = []
     owner: dict[str, int] = {}
     for i, unit in enumerate(plan.units):
-        mods = []
-        for fqn in unit.modules:
-            m = index.modules.get(fqn)
-            if m is None:
-                problems.append(f"unit {i}: module {fqn!r} does not exist in {type(model).__name__}")
-            elif id(m) in index.sharded:
-                problems.append(f"unit {i}: module {fqn!r} is already sharded (an FSDP module)")
-            elif is_container(m):
-                problems.append(
-                    f"unit {i}: module {fqn!r} is a {type(m).__name__} without forward, which "
-                    "fully_shard rejects; plan its elements instead"
-                )
-            else:
-                mods.append(m)
+        found = [(fqn, index.modules.get(fqn)) for fqn in unit.modules]
+        problems.extend(
+            f"unit {i}: module {fqn!r} does not exist in {type(model).__name__}" for fqn, m in found if m is None
+        )
+        mods = [m for _f, m in found if m is not None]
+        problems.extend(_module_problems(i, tuple(f for f, m in found if m is not None), mods))
         for pfqn in unit.params:
             if pfqn in owner:
                 problems.append(f"parameter {pfqn!r} is claimed by units {owner[pfqn]} and {i}")
             owner[pfqn] = i
-        resolved.append(mods)
+        resolved.append([m for m in mods if not isinstance(m, FSDPModule) and not is_container(m)])
     _fail(problems)
 
     sharded = set(index.sharded)
     for i, (unit, mods) in enumerate(zip(plan.units, resolved)):
-        problems.extend(_check_unit(i, unit, mods, index, sharded))
+        problems.extend(_settings_problems(i, unit))
+        problems.extend(_claim_problems(i, unit, mods, index, sharded))
         sharded.update(id(m) for m in mods)
     for pfqn in plan.reductions:
         if pfqn not in index.params:
@@ -100,9 +128,8 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     return resolved
 
 
-def _check_unit(
-    i: int, unit: Unit, mods: list[nn.Module], index: ModelIndex, sharded: set[int]
-) -> list[str]:
+def _settings_problems(i: int, unit: Unit) -> list[str]:
+    """What the primitive would refuse in the unit's own settings."""
     problems: list[str] = []
     if unit.mp_policy is not None and not isinstance(unit.mp_policy, MixedPrecisionPolicy):
         problems.append(f"unit {i}: mp_policy {unit.mp_policy!r} is not a MixedPrecisionPolicy or None")
@@ -113,6 +140,14 @@ def _check_unit(
     r = unit.reshard_after_forward
     if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r >= 1)):
         problems.append(f"unit {i}: reshard_after_forward={r!r} is not None, a bool or a positive int")
+    return problems
+
+
+def _claim_problems(
+    i: int, unit: Unit, mods: list[nn.Module], index: ModelIndex, sharded: set[int]
+) -> list[str]:
+    """Whether the unit claims what the plan says, in one storage dtype."""
+    problems: list[str] = []
     missing = [f for f in unit.ignored_params if f not in index.params]
     if missing:
         problems.append(f"unit {i}: ignored parameters {missing} do not exist")
@@ -192,9 +227,16 @@ def _check_against_mesh(plan: Plan, model: nn.Module, mesh: object, moe_mesh: De
 def _check_checkpointing(ac: Checkpointing | None, model: nn.Module) -> list[str]:
     if ac is None:
         return []
-    modules = dict(model.named_modules())
-    problems = [f"checkpointed module {m!r} does not exist" for m in ac.modules if m not in modules]
-    done = [m for m in ac.modules if m in modules and _is_checkpointed(modules[m])]
+    problems: list[str] = []
+    done: list[str] = []
+    for fqn in ac.modules:
+        try:
+            module = get_module_from_path(model, fqn)
+        except AttributeError:
+            problems.append(f"checkpointed module {fqn!r} does not exist")
+            continue
+        if _is_checkpointed(module):
+            done.append(fqn)
     if done:
         problems.append(f"modules {_preview(done)} already have activation checkpointing")
     return problems
@@ -236,7 +278,7 @@ def shard_kwargs(unit: Unit, mesh: object) -> dict[str, Any]:
 def _live_param(root: nn.Module, fqn: str) -> nn.Parameter:
     """Look a parameter up now: sharding an earlier unit may have replaced it."""
     module_fqn, _, name = fqn.rpartition(".")
-    module = root.get_submodule(module_fqn)
+    module = get_module_from_path(root, module_fqn)
     p = module._parameters[name]
     assert p is not None
     return p
@@ -344,26 +386,29 @@ def apply_plan(
     if plan.checkpointing is not None:
         extra = {"context_fn": _selective_context} if plan.checkpointing.mode == "selective" else {}
         for fqn in plan.checkpointing.modules:
-            checkpoint_module(model.get_submodule(fqn), **extra)
+            checkpoint_module(get_module_from_path(model, fqn), **extra)
     for unit, mods in zip(plan.units, resolved):
         kwargs = shard_kwargs(unit, moe if unit.mesh == "moe" else dense)
         if unit.ignored_params:
             kwargs["ignored_params"] = {_live_param(model, f) for f in unit.ignored_params}
         shard_module(mods[0] if len(mods) == 1 else mods, **kwargs)
     for chain in plan.prefetch:
-        unit_module = model.get_submodule(chain.unit)
+        unit_module = get_module_from_path(model, chain.unit)
         if isinstance(unit_module, FSDPModule):
             if chain.forward:
-                unit_module.set_modules_to_forward_prefetch([model.get_submodule(m) for m in chain.forward])  # type: ignore[misc]
+                unit_module.set_modules_to_forward_prefetch([get_module_from_path(model, m) for m in chain.forward])  # type: ignore[misc]
             if chain.backward:
-                unit_module.set_modules_to_backward_prefetch([model.get_submodule(m) for m in chain.backward])  # type: ignore[misc]
+                unit_module.set_modules_to_backward_prefetch([get_module_from_path(model, m) for m in chain.backward])  # type: ignore[misc]
     if plan.reduce_unused_params:
         from ._imperative import configure_fsdp_unused_param_reduction  # local: _imperative applies plans
 
         configure_fsdp_unused_param_reduction(model)
+    by_module: dict[str, dict[str, Reduction]] = {}
     for pfqn, reduction in plan.reductions.items():
         module_fqn, _, name = pfqn.rpartition(".")
-        mark_parameter_reduction(model.get_submodule(module_fqn), name, reduction)
+        by_module.setdefault(module_fqn, {})[name] = reduction
+    for module_fqn, marks in by_module.items():
+        mark_parameter_reductions(get_module_from_path(model, module_fqn), marks)
     for mfqn in plan.exclusions:
-        exclude_from_tp_replica_sync(model.get_submodule(mfqn))
+        exclude_from_tp_replica_sync(get_module_from_path(model, mfqn))
     return model

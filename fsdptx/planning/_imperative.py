@@ -19,6 +19,7 @@ from torch.distributed.fsdp import (
 from ._apply import ShardModule, apply_plan
 from ._plan import CrossBlockRequest, DtypeRequest, Plan
 from ._planner import ModelIndex, resolve_units
+from ._snapshot import vouch
 from ._transforms import _tuple_of_str
 
 __all__ = [
@@ -82,7 +83,7 @@ def fully_shard_by_dtype(
         dtype_request=request,
         index=index,
     )
-    apply_plan(Plan(units=units), module, mesh, shard_module=shard_module)
+    apply_plan(Plan(units=units, verified=vouch(index, units)), module, mesh, shard_module=shard_module)
 
 
 def _parameters(ignored_params: Collection[nn.Parameter] | None) -> list[nn.Parameter]:
@@ -133,14 +134,16 @@ def fully_shard_across_blocks(
     """
     names = _tuple_of_str(module_names, "module_names")
     holder = nn.ModuleList(blocks)  # a view for FQNs "0.attn.sinks"; blocks are not changed
+    index = ModelIndex.build(holder)
     units = resolve_units(
         holder,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         cross_blocks=(CrossBlockRequest(tuple(str(i) for i in range(len(blocks))), names),),
         dtype_request=None,
+        index=index,
     )
-    apply_plan(Plan(units=units), holder, mesh, shard_module=shard_module)
+    apply_plan(Plan(units=units, verified=vouch(index, units)), holder, mesh, shard_module=shard_module)
     return {holder.get_parameter(f) for u in units for f in u.params}
 
 

@@ -201,6 +201,11 @@ class Plan:
     # one fsdptx.plan() call so the model is walked once; plan() drops it
     # before returning. Not part of the Plan's value.
     scratch: object | None = field(default=None, compare=False, repr=False)
+    # What planning vouches for (fsdptx.planning._snapshot.Vouched): the
+    # signature of the model these very units were resolved against, so
+    # apply_plan can skip re-deriving their claims while the model is
+    # unchanged. Not part of the Plan's value; new units drop its use.
+    verified: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
@@ -208,6 +213,11 @@ class Plan:
         object.__setattr__(self, "prefetch", tuple(self.prefetch))
         if not isinstance(self.reductions, FrozenReductions):
             object.__setattr__(self, "reductions", FrozenReductions(self.reductions))
+
+    def __getstate__(self) -> dict[str, object]:
+        """Copies and pickles leave ``scratch`` and ``verified`` behind: both
+        refer to live objects of this process, so a copy is checked in full."""
+        return {**self.__dict__, "scratch": None, "verified": None}
 
     def replace(self, **changes: object) -> Plan:
         """A copy with ``changes``; the Plan itself never changes."""

@@ -20,6 +20,7 @@ from .._dtypes import is_pinned, resolve_compute_dtype
 from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind
 from .._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
 from .._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
+from ._snapshot import ModelWalk, walk_model
 
 __all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_units"]
 
@@ -49,58 +50,60 @@ def unwrap_checkpoint(module: nn.Module) -> nn.Module:
 
 @dataclass
 class ModelIndex:
-    """FQN <-> object tables for one model, built in one walk.
+    """FQN <-> object tables for one model, built from one :func:`walk_model`.
 
     A tied parameter's canonical FQN is the name its model declares as the
     tie's source (Hugging Face ``_tied_weights_keys``: ``{target: source}``,
     or a list of target names), else its smallest name (plain string order).
     Both are rank-stable: neither depends on registration order. ``aliases``
     keeps its other names, because a pinned-fp32 token may appear in any.
+    ``walk`` is kept: its signature is what a Plan vouches for.
     """
 
     root: nn.Module
+    walk: ModelWalk
     modules: dict[str, nn.Module] = field(default_factory=dict)
     fqn_of_module: dict[int, str] = field(default_factory=dict)
     param_fqn: dict[int, str] = field(default_factory=dict)
     param_objects: list[nn.Parameter] = field(default_factory=list)
+    first_slots: list[int] = field(default_factory=list)  # per param object: its first slot in the walk
     aliases: dict[int, list[str]] = field(default_factory=dict)
     sharded: set[int] = field(default_factory=set)
-    shared_modules: bool = False  # some module is registered under two parents
+
+    @property
+    def shared_modules(self) -> bool:
+        """Whether some module is registered under two parents."""
+        return self.walk.shared_modules
 
     @classmethod
     def build(cls, root: nn.Module) -> ModelIndex:
-        index = cls(root)
-        modules, fqn_of_module, param_fqn, objects = (
-            index.modules, index.fqn_of_module, index.param_fqn, index.param_objects
-        )
-        stack: list[tuple[str, nn.Module]] = [("", root)]
-        while stack:
-            fqn, module = stack.pop()
-            mid = id(module)
-            if mid in fqn_of_module:
-                index.shared_modules = True  # first path wins, as named_modules
-                continue
-            modules[fqn] = module
-            fqn_of_module[mid] = fqn
-            if isinstance(module, FSDPModule):
-                index.sharded.add(mid)
-            prefix = fqn + "." if fqn else ""
-            for name, p in module._parameters.items():
-                if p is None:
-                    continue
-                if id(p) in param_fqn:
-                    # Canonical is the smallest name, as in rank-stable order:
-                    # registration order may differ between ranks.
-                    first, other = sorted((param_fqn[id(p)], prefix + name))
-                    param_fqn[id(p)] = first
-                    index.aliases.setdefault(id(p), []).append(other)
-                else:
-                    param_fqn[id(p)] = prefix + name
-                    objects.append(p)
-            children = module._modules
-            if children:
-                stack.extend((prefix + n, c) for n, c in reversed(children.items()) if c is not None)
-        if index.aliases:
+        walk = walk_model(root)
+        index = cls(root, walk)
+        modules, parents, names = walk.modules, walk.parents, walk.names
+        fqns = [""] * len(modules)
+        for i in range(1, len(modules)):
+            up = fqns[parents[i]]
+            fqns[i] = f"{up}.{names[i]}" if up else names[i]
+        index.modules = dict(zip(fqns, modules))
+        index.fqn_of_module = {id(m): f for f, m in zip(fqns, modules)}
+        index.sharded = {id(m) for m in modules if isinstance(m, FSDPModule)}
+        param_fqn, objects, first, aliases = index.param_fqn, index.param_objects, index.first_slots, index.aliases
+        for slot, (owner, name, p) in enumerate(zip(walk.owners, walk.slot_names, walk.params)):
+            up = fqns[owner]
+            fqn = f"{up}.{name}" if up else name
+            pid = id(p)
+            known = param_fqn.get(pid)
+            if known is None:
+                param_fqn[pid] = fqn
+                objects.append(p)
+                first.append(slot)
+            else:
+                # Canonical is the smallest name, as in rank-stable order:
+                # registration order may differ between ranks.
+                smaller, other = sorted((known, fqn))
+                param_fqn[pid] = smaller
+                aliases.setdefault(pid, []).append(other)
+        if aliases:
             index._prefer_declared_tie_sources()
         return index
 
@@ -139,13 +142,14 @@ class ModelIndex:
     @functools.cached_property
     def param_facts(self) -> dict[int, tuple[torch.dtype, int, int, object, bool]]:
         """Per parameter id: (storage dtype, numel, bytes, ``_hf_compute_dtype``
-        hint, requires_grad), read from each tensor once for all of planning."""
+        hint, requires_grad), read once for all of planning; dtype and
+        ``requires_grad`` as the walk's signature recorded them."""
         facts = {}
-        for p in self.param_objects:
+        signature = self.walk.param_signature
+        for p, slot in zip(self.param_objects, self.first_slots):
+            _id, dtype, grad, _ndim = signature[slot]
             n = p.numel()
-            facts[id(p)] = (
-                p.dtype, n, n * p.element_size(), getattr(p, "_hf_compute_dtype", None), p.requires_grad
-            )
+            facts[id(p)] = (dtype, n, n * dtype.itemsize, getattr(p, "_hf_compute_dtype", None), grad)  # type: ignore[attr-defined]
         return facts
 
     @property

@@ -21,6 +21,7 @@ from .._args import require_module
 from ..hf import hf_fp32_compute_tokens, hf_replica_reductions
 from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit
 from ._planner import ModelIndex, PlanningError, _natural, resolve_units
+from ._snapshot import vouch, vouch_marks
 
 __all__ = [
     "Transform",
@@ -125,7 +126,8 @@ def plan(
         reshard_after_forward=reshard_after_forward,
         scratch=ModelIndex.build(model),
     )
-    return _checked(transform, model, start).replace(scratch=None)
+    planned = _checked(transform, model, start)
+    return planned.replace(scratch=None, verified=vouch_marks(model_index(model, planned), planned))
 
 
 def model_index(model: nn.Module, p: Plan) -> ModelIndex:
@@ -147,7 +149,7 @@ def _resolve(model: nn.Module, p: Plan, index: ModelIndex) -> Plan:
     )
     if p.expert_modules:
         units = tuple(_on_moe_mesh(u, p.expert_modules) for u in units)
-    return p.replace(units=units)
+    return p.replace(units=units, verified=vouch(index, units))
 
 
 def _on_moe_mesh(unit: Unit, experts: tuple[str, ...]) -> Unit:

@@ -40,7 +40,9 @@ def marks_generation() -> int:
 
 def _set(module: nn.Module, attr: str, value: object) -> None:
     global _generation
-    setattr(module, attr, value)
+    # The instance __dict__, where the readers look: nn.Module.__setattr__
+    # would first search the module's parameter, buffer and child tables.
+    module.__dict__[attr] = value
     _generation += 1
 
 
@@ -59,15 +61,15 @@ def mark_tp_replica_gradient_reduction(module: nn.Module, reduction: Reduction) 
     Unmarked replicated parameters use ``"mean"``.
     """
     check_reduction(reduction, f"mark_tp_replica_gradient_reduction({type(module).__name__})")
-    marks: dict[str, Reduction] = dict(getattr(module, _REDUCTION_ATTR, {}))
-    marks.update({name: reduction for name, p in module._parameters.items() if p is not None})
-    _set(module, _REDUCTION_ATTR, marks)
+    mark_parameter_reductions(
+        module, {name: reduction for name, p in module._parameters.items() if p is not None}
+    )
 
 
-def mark_parameter_reduction(module: nn.Module, name: str, reduction: Reduction) -> None:
-    """Mark one direct parameter (by its local name); what ``apply_plan`` uses."""
-    marks: dict[str, Reduction] = dict(getattr(module, _REDUCTION_ATTR, {}))
-    marks[name] = reduction
+def mark_parameter_reductions(module: nn.Module, reductions: Mapping[str, Reduction]) -> None:
+    """Mark direct parameters (by local name) of one module; what ``apply_plan`` uses."""
+    marks: dict[str, Reduction] = dict(module_reductions(module))
+    marks.update(reductions)
     _set(module, _REDUCTION_ATTR, marks)
 
 

@@ -1,0 +1,168 @@
+"""One walk of a model that both planning and applying read.
+
+Planning needs FQN tables; ``apply_plan`` needs to know whether the model is
+still the one a plan was made from. Both come from the same pre-order walk,
+and the walk also yields a *signature*: every module's identity, class,
+parameter and child names, and every parameter's identity, dtype,
+``requires_grad`` and rank. Two walks with equal signatures saw the same
+tree holding the same parameters in the same state, so every claim the
+planner derived from the first still holds for the second. A Plan therefore
+carries the signature of the model its units were resolved against
+(:class:`Vouched`), and applying it costs one walk and a list comparison
+instead of re-deriving each unit's claims. Anything that differs (a cast, a
+frozen or replaced parameter, a module swapped or sharded, a hand-edited
+unit) sends ``check_plan`` down the full check, so no error is weakened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from ._plan import Plan, Reduction, Unit
+    from ._planner import ModelIndex
+
+__all__ = ["ModelWalk", "Vouched", "vouch", "vouched_modules", "walk_model"]
+
+# Per module visit: (id, class, parameter names, child names); a module met
+# again through a second parent: its id alone.
+ModuleSignature = list[object]
+# Per parameter slot: (id, dtype, requires_grad, ndim).
+ParamSignature = list[tuple[object, ...]]
+
+
+@dataclass(frozen=True)
+class ModelWalk:
+    """A pre-order walk of a model, first visits only (as ``named_modules``).
+
+    ``parents``/``names`` give each module's parent position and attribute
+    name, so FQNs follow without touching a module again. Parameter slots
+    (``owners``, ``slot_names``, ``params``) list every non-``None`` direct
+    parameter of every visited module; a tied parameter fills several.
+    """
+
+    modules: list[nn.Module]
+    parents: list[int]
+    names: list[str]
+    owners: list[int]
+    slot_names: list[str]
+    params: list[nn.Parameter]
+    module_signature: ModuleSignature
+    param_signature: ParamSignature
+    shared_modules: bool
+    position: dict[int, int]  # module id -> position in ``modules``
+
+
+def walk_model(root: nn.Module) -> ModelWalk:
+    """Walk ``root`` once, children in registration order."""
+    modules: list[nn.Module] = []
+    parents: list[int] = []
+    names: list[str] = []
+    owners: list[int] = []
+    slot_names: list[str] = []
+    params: list[nn.Parameter] = []
+    module_signature: ModuleSignature = []
+    param_signature: ParamSignature = []
+    position: dict[int, int] = {}
+    shared = False
+    stack: list[tuple[nn.Module, int, str]] = [(root, -1, "")]
+    pop, push, sign, sign_param = stack.pop, stack.append, module_signature.append, param_signature.append
+    while stack:
+        module, up, name = pop()
+        mid = id(module)
+        if mid in position:
+            sign(mid)  # first path wins, as named_modules; the repeat still counts
+            shared = True
+            continue
+        here = len(modules)
+        position[mid] = here
+        modules.append(module)
+        parents.append(up)
+        names.append(name)
+        direct = module._parameters
+        children = module._modules
+        sign((mid, type(module), tuple(direct), tuple(children)))
+        if direct:
+            for pname, p in direct.items():
+                if p is not None:
+                    owners.append(here)
+                    slot_names.append(pname)
+                    params.append(p)
+                    sign_param((id(p), p.dtype, p.requires_grad, p.ndim))
+        if children:
+            for cname, child in reversed(children.items()):
+                if child is not None:
+                    push((child, here, cname))
+    return ModelWalk(
+        modules, parents, names, owners, slot_names, params, module_signature, param_signature, shared, position
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Vouched:
+    """What planning vouches for: ``units`` (this very tuple) were resolved
+    against a model whose walk had this signature, and are found, in walk
+    order, at ``positions``. ``reductions``/``exclusions`` (these very
+    objects) were checked against the same model, or are ``None``."""
+
+    module_signature: ModuleSignature
+    param_signature: ParamSignature
+    units: tuple[Unit, ...]
+    positions: tuple[tuple[int, ...], ...]
+    reductions: Mapping[str, Reduction] | None = None
+    exclusions: tuple[str, ...] | None = None
+
+
+def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
+    """Vouch for ``units``, just resolved from ``index``; ``None`` (no
+    vouching: the full check runs) when some parameter is a scalar, which
+    only the full check names."""
+    if any(sig[3] == 0 for sig in index.walk.param_signature):
+        return None
+    position, modules = index.walk.position, index.modules
+    return Vouched(
+        index.walk.module_signature,
+        index.walk.param_signature,
+        units,
+        tuple(tuple(position[id(modules[f])] for f in u.modules) for u in units),
+    )
+
+
+def vouch_marks(index: ModelIndex, plan: Plan) -> object:
+    """``plan.verified`` extended to the plan's reductions and exclusions when
+    each names a parameter or module of the model ``index`` was built from."""
+    vouched = plan.verified
+    if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
+        return vouched
+    params, modules = index.params, index.modules
+    if all(f in params for f in plan.reductions) and all(f in modules for f in plan.exclusions):
+        return Vouched(
+            vouched.module_signature,
+            vouched.param_signature,
+            vouched.units,
+            vouched.positions,
+            plan.reductions,
+            plan.exclusions,
+        )
+    return vouched
+
+
+def vouched_modules(plan: Plan, model: nn.Module) -> list[list[nn.Module]] | None:
+    """Each unit's modules when the plan is vouched for and ``model`` walks
+    to the same signature; ``None`` when anything calls for the full check."""
+    vouched = plan.verified
+    if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
+        return None
+    if plan.reductions and vouched.reductions is not plan.reductions:
+        return None
+    if plan.exclusions and vouched.exclusions is not plan.exclusions:
+        return None
+    walk = walk_model(model)
+    if walk.module_signature != vouched.module_signature or walk.param_signature != vouched.param_signature:
+        return None
+    found = walk.modules
+    return [[found[i] for i in at] for at in vouched.positions]

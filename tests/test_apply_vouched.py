@@ -1,0 +1,183 @@
+"""apply_plan trusts what planning derived only while the model is unchanged.
+
+A Plan carries the walk signature of the model its units were resolved
+against; applying it to that model, unchanged, skips re-deriving each unit's
+claims. Anything that could make those claims wrong sends the check down the
+full path, which names the problem as before.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from models import BF16, DIM, CastLinear, make_decoder
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+import fsdptx
+from fsdptx import Plan, PlanMismatchError
+from fsdptx.planning import _apply
+
+PIPELINE = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
+MESH = object()
+
+
+def _record(target: nn.Module | list[nn.Module], **kwargs: object) -> None:
+    """A primitive that shards nothing."""
+
+
+class FullChecks:
+    """Counts the full (claim-re-deriving) checks apply_plan runs."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = _apply._check_in_full
+
+        def counting(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
+            self.count += 1
+            return original(plan, model)
+
+        monkeypatch.setattr(_apply, "_check_in_full", counting)
+
+
+def apply(p: Plan, model: nn.Module) -> None:
+    fsdptx.apply_plan(p, model, MESH, shard_module=_record)  # type: ignore[arg-type]
+
+
+def test_a_fresh_plan_on_its_unchanged_model_is_not_checked_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    full = FullChecks(monkeypatch)
+    apply(p, model)
+    assert full.count == 0
+
+
+def test_the_vouched_path_resolves_the_same_modules_as_the_full_check() -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    vouched = fsdptx.check_plan(p, model)
+    assert [[id(m) for m in ms] for ms in vouched] == [
+        [id(m) for m in ms] for ms in _apply._check_in_full(p, model)
+    ]
+
+
+def test_casting_after_planning_is_checked_in_full_and_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    model.to(BF16)
+    full = FullChecks(monkeypatch)
+    with pytest.raises(PlanMismatchError, match="the model was cast after planning"):
+        apply(p, model)
+    assert full.count == 1
+
+
+def test_adding_a_parameter_after_planning_is_checked_in_full_and_refused() -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    model.layers[0].mlp.extra = CastLinear(DIM, DIM, BF16)
+    with pytest.raises(PlanMismatchError, match=r"would also claim \['layers.0.mlp.extra.weight'\]"):
+        apply(p, model)
+
+
+def test_freezing_a_parameter_after_planning_is_checked_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    model.layers[0].attn.q.weight.requires_grad_(False)
+    full = FullChecks(monkeypatch)
+    apply(p, model)
+    assert full.count == 1
+
+
+def test_replacing_a_parameter_object_after_planning_is_checked_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    old = model.layers[0].attn.q.weight
+    model.layers[0].attn.q.weight = nn.Parameter(old.detach().clone())
+    full = FullChecks(monkeypatch)
+    apply(p, model)
+    assert full.count == 1
+
+
+def test_tying_two_parameters_after_planning_is_checked_in_full_and_refused() -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    model.layers[1].attn.q.weight = model.layers[0].attn.q.weight
+    with pytest.raises(PlanMismatchError, match="layers.1.attn.q.weight"):
+        apply(p, model)
+
+
+def test_sharding_a_module_after_planning_is_refused_without_a_call() -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    calls: list[object] = []
+    fsdptx.fully_shard_by_dtype(model.layers[0], None, None, None, shard_module=_mark_sharded)  # type: ignore[arg-type]
+    with pytest.raises(PlanMismatchError, match="already sharded"):
+        fsdptx.apply_plan(p, model, MESH, shard_module=lambda t, **kw: calls.append(t))  # type: ignore[arg-type]
+    assert calls == []
+
+
+def _mark_sharded(target: nn.Module | list[nn.Module], **kwargs: object) -> None:
+    """What fully_shard does to the module class, and nothing else."""
+    for m in target if isinstance(target, list) else [target]:
+        m.__class__ = type(f"FSDP{type(m).__name__}", (FSDPModule, type(m)), {})
+
+
+def test_edited_units_are_checked_in_full_even_when_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    edited = p.replace(units=tuple(list(p.units)))
+    full = FullChecks(monkeypatch)
+    apply(edited, model)
+    assert full.count == 1
+
+
+def test_edited_reduction_marks_are_checked_in_full_and_refused() -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    edited = p.replace(reductions={**p.reductions, "layers.0.nope.weight": "sum"})
+    with pytest.raises(PlanMismatchError, match="'layers.0.nope.weight', which the model lacks"):
+        apply(edited, model)
+
+
+def test_a_transform_keeping_the_units_keeps_the_vouching(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, fsdptx.compose(PIPELINE, fsdptx.checkpoint_activations))
+    full = FullChecks(monkeypatch)
+    apply(p, model)
+    assert full.count == 0
+
+
+@pytest.mark.parametrize("copy_plan", [copy.deepcopy, lambda p: pickle.loads(pickle.dumps(p))], ids=["deepcopy", "pickle"])
+def test_a_copied_plan_is_checked_in_full_and_still_applies(
+    monkeypatch: pytest.MonkeyPatch, copy_plan: object
+) -> None:
+    model = make_decoder()
+    p = copy_plan(fsdptx.plan(model, PIPELINE))  # type: ignore[operator]
+    full = FullChecks(monkeypatch)
+    apply(p, model)
+    assert full.count == 1
+
+
+def test_a_plan_is_not_vouched_for_another_model_of_the_same_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    source, target = make_decoder(), make_decoder(seed=1)
+    p = fsdptx.plan(source, PIPELINE)
+    full = FullChecks(monkeypatch)
+    apply(p, target)
+    assert full.count == 1
+
+
+def test_a_model_with_a_scalar_parameter_is_refused_through_the_full_check() -> None:
+    model = make_decoder()
+    model.layers[0].attn.register_parameter("scale", nn.Parameter(torch.tensor(1.0, dtype=BF16)))
+    p = fsdptx.plan(model, PIPELINE)
+    with pytest.raises(PlanMismatchError, match=r"scalar parameters \['layers.0.attn.scale'\]"):
+        apply(p, model)
+
+
+def test_vouching_is_not_part_of_the_plans_value() -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    assert p == p.replace(verified=None) and "verified" not in repr(p)
