@@ -108,7 +108,7 @@ def mark_sharded(target: nn.Module | list[nn.Module], **kwargs: object) -> None:
 
 
 def imperative(model: nn.Module) -> None:
-    holders = {p for b in model.layers for p in b.sinks.parameters()}
+    holders = fsdptx.ParameterSet(p for b in model.layers for p in b.sinks.parameters())
     for block in model.layers:
         fsdptx.fully_shard_by_dtype(block, None, POLICY, None, ignored_params=holders, shard_module=mark_sharded)
     fsdptx.fully_shard_by_dtype(model, None, POLICY, None, ignored_params=holders, shard_module=mark_sharded)

@@ -25,6 +25,7 @@ from .planning._apply import PlanMismatchError, apply_plan, check_plan
 from ._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
 from ._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn
 from .planning._imperative import (
+    ParameterSet,
     configure_fsdp_unused_param_reduction,
     fully_shard_across_blocks,
     fully_shard_by_dtype,
@@ -73,6 +74,7 @@ __all__ = [
     "reduce_unused_params",
     "reshard_policy",
     "tensor_parallel",
+    "ParameterSet",
     "Plan",
     "PlanMismatchError",
     "PlanningError",

@@ -361,3 +361,60 @@ def test_by_dtype_on_a_module_already_sharded_is_refused_naming_it() -> None:
         fsdptx.fully_shard_by_dtype(block, mesh, None, None)
         with pytest.raises(ValueError, match="target '<root>' is already an FSDP module"):
             fsdptx.fully_shard_by_dtype(block, mesh, None, None)
+
+
+# --------------------------------------------------------------------------- ParameterSet
+
+
+class _NoScan(fsdptx.ParameterSet):
+    """A ParameterSet that fails if anything iterates over it."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("the ParameterSet was scanned")
+
+
+def test_a_parameter_set_is_looked_up_not_scanned() -> None:
+    model = make_decoder()
+    sinks = _NoScan([model.layers[0].attn.sinks.weight])
+    prim = RecordingPrimitive()
+    fsdptx.fully_shard_by_dtype(model.layers[0], MESH, BF16_POLICY, None, ignored_params=sinks, shard_module=prim)  # type: ignore[arg-type]
+    assert any(kw.get("ignored_params") == {model.layers[0].attn.sinks.weight} for _m, kw in prim.calls)
+
+
+def test_a_parameter_set_refuses_a_name_when_built() -> None:
+    with pytest.raises(TypeError, match="'attn.sinks.weight'"):
+        fsdptx.ParameterSet(["attn.sinks.weight"])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    "add",
+    [
+        lambda s: s.add("w"),
+        lambda s: s.update(["w"]),
+        lambda s: s.__ior__({"w"}),
+        lambda s: s.symmetric_difference_update({"w"}),
+        lambda s: s.__ixor__({"w"}),
+    ],
+    ids=["add", "update", "ior", "symmetric_difference_update", "ixor"],
+)
+def test_a_parameter_set_refuses_a_name_added_later(add: Any) -> None:
+    s = fsdptx.ParameterSet()
+    with pytest.raises(TypeError, match="'w'"):
+        add(s)
+    assert len(s) == 0
+
+
+def test_a_plain_set_holding_a_name_is_still_refused() -> None:
+    model = make_decoder()
+    with pytest.raises(TypeError, match="'attn.sinks.weight'"):
+        fsdptx.fully_shard_by_dtype(
+            model.layers[0], MESH, BF16_POLICY, None, ignored_params={"attn.sinks.weight"}, shard_module=RecordingPrimitive()  # type: ignore[arg-type]
+        )
+
+
+def test_across_blocks_returns_a_parameter_set() -> None:
+    model = make_decoder()
+    prim = RecordingPrimitive()
+    owned = fsdptx.fully_shard_across_blocks(list(model.layers), ["attn.sinks"], MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
+    assert isinstance(owned, fsdptx.ParameterSet) and isinstance(owned, set)
+    assert owned == {b.attn.sinks.weight for b in model.layers}

@@ -28,7 +28,7 @@ from .._policy import primitive_policy
 from .._tree import get_module_from_path
 from ..tp._transform import check_tensor_parallel, tied_tp_groups, tp_styles_by_module
 
-__all__ = ["PlanMismatchError", "apply_plan", "check_plan", "shard_kwargs"]
+__all__ = ["PlanMismatchError", "apply_plan", "apply_resolved", "check_plan", "check_resolved", "shard_kwargs"]
 
 ShardModule = Callable[..., Any]
 ParallelizeModule = Callable[..., Any]
@@ -69,13 +69,20 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     require_module(model, "model", "check_plan")
     vouched = vouched_modules(plan, model)
     if vouched is not None:
-        problems: list[str] = []
-        for i, (unit, mods) in enumerate(zip(plan.units, vouched)):
-            problems.extend(_settings_problems(i, unit))
-            problems.extend(_module_problems(i, unit.modules, mods))
-        _fail(problems)
-        return vouched
+        return check_resolved(plan, vouched)
     return _check_in_full(plan, model)
+
+
+def check_resolved(plan: Plan, resolved: list[list[nn.Module]]) -> list[list[nn.Module]]:
+    """The checks left for units whose claims are known to hold (resolved
+    against the model as it is): what the primitive would refuse in each
+    unit's settings and modules. Returns ``resolved``."""
+    problems: list[str] = []
+    for i, (unit, mods) in enumerate(zip(plan.units, resolved)):
+        problems.extend(_settings_problems(i, unit))
+        problems.extend(_module_problems(i, unit.modules, mods))
+    _fail(problems)
+    return resolved
 
 
 def _module_problems(i: int, fqns: tuple[str, ...], mods: list[nn.Module]) -> list[str]:
@@ -372,6 +379,33 @@ def apply_plan(
     frameworks substitute their own.
     """
     resolved = check_plan(plan, model)
+    return apply_resolved(
+        plan,
+        model,
+        mesh,
+        resolved,
+        moe_mesh=moe_mesh,
+        shard_module=shard_module,
+        parallelize_module=parallelize_module,
+        checkpoint_module=checkpoint_module,
+    )
+
+
+def apply_resolved(
+    plan: Plan,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    resolved: list[list[nn.Module]],
+    *,
+    moe_mesh: DeviceMesh | None = None,
+    shard_module: ShardModule = fully_shard,
+    parallelize_module: ParallelizeModule = torch_parallelize_module,
+    checkpoint_module: CheckpointModule = composable_checkpoint,
+) -> nn.Module:
+    """:func:`apply_plan` once the units are checked against the model and
+    ``resolved`` holds each unit's modules: the mesh, checkpointing and
+    prefetch checks, then the effects. The imperative API comes here
+    directly, its units resolved from the index it has just built."""
     problems = _check_against_mesh(plan, model, mesh, moe_mesh)
     problems += _check_checkpointing(plan.checkpointing, model)
     problems += _check_prefetch(plan)

@@ -3,7 +3,8 @@ the composable pipeline: each function plans, then calls ``apply_plan``."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -16,13 +17,13 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from ._apply import ShardModule, apply_plan
+from ._apply import ShardModule, apply_resolved, check_resolved
 from ._plan import CrossBlockRequest, DtypeRequest, Plan
 from ._planner import ModelIndex, resolve_units
-from ._snapshot import vouch
 from ._transforms import _tuple_of_str
 
 __all__ = [
+    "ParameterSet",
     "configure_fsdp_unused_param_reduction",
     "fully_shard_across_blocks",
     "fully_shard_by_dtype",
@@ -67,7 +68,7 @@ def fully_shard_by_dtype(
     """
     tokens = _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
     index = ModelIndex.build(module)
-    ignored = tuple(index.param_fqn[id(p)] for p in _parameters(ignored_params) if id(p) in index.param_fqn)
+    ignored = _ignored_in(index, ignored_params)
     request = DtypeRequest(
         targets=("",),
         fp32_compute_module_names=tokens,
@@ -83,21 +84,26 @@ def fully_shard_by_dtype(
         dtype_request=request,
         index=index,
     )
-    apply_plan(Plan(units=units, verified=vouch(index, units)), module, mesh, shard_module=shard_module)
+    _apply_now(Plan(units=units), module, index, mesh, shard_module)
 
 
-def _parameters(ignored_params: Collection[nn.Parameter] | None) -> list[nn.Parameter]:
-    """``ignored_params`` as a list, refusing what would otherwise be
+def _apply_now(plan: Plan, module: nn.Module, index: ModelIndex, mesh: DeviceMesh, shard_module: ShardModule) -> None:
+    """Apply units resolved from ``index`` a moment ago: nothing can have
+    changed the module since, so their claims need no second walk."""
+    resolved = check_resolved(plan, [[index.modules[f] for f in u.modules] for u in plan.units])
+    apply_resolved(plan, module, mesh, resolved, shard_module=shard_module)
+
+
+def _parameters(items: Iterable[object]) -> list[nn.Parameter]:
+    """``items`` as a list of Parameters, refusing what would otherwise be
     silently dropped: names instead of Parameters, or one bare tensor."""
-    if ignored_params is None:
-        return []
-    if isinstance(ignored_params, (torch.Tensor, str)):
+    if isinstance(items, (torch.Tensor, str)):
         raise TypeError(
-            f"ignored_params must be a collection of nn.Parameter objects, got one {type(ignored_params).__name__}; "
+            f"ignored_params must be a collection of nn.Parameter objects, got one {type(items).__name__}; "
             "wrap it in a set"
         )
-    items = list(ignored_params)
-    bad = [p for p in items if not isinstance(p, nn.Parameter)]
+    listed = list(items)
+    bad = [p for p in listed if not isinstance(p, nn.Parameter)]
     if bad:
         shown = ", ".join(repr(p) if isinstance(p, str) else type(p).__name__ for p in bad[:5])
         raise TypeError(
@@ -105,7 +111,56 @@ def _parameters(ignored_params: Collection[nn.Parameter] | None) -> list[nn.Para
             + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
             + "; pass module.get_parameter(name) for a name"
         )
-    return items
+    return listed  # type: ignore[return-value]
+
+
+class ParameterSet(set[nn.Parameter]):
+    """A set that only ever holds ``nn.Parameter`` objects.
+
+    Every way of adding to it checks what is added, so its members are known
+    to be Parameters without looking at them again. That is what keeps the
+    imperative API linear: ``fully_shard_by_dtype`` over every block with one
+    set of every block's ignored parameters would otherwise re-check the
+    whole set once per block. Given a ``ParameterSet`` it only looks up the
+    module's own parameters in it; any other collection is checked element
+    by element on every call. :func:`fully_shard_across_blocks` returns one.
+    """
+
+    def __init__(self, items: Iterable[nn.Parameter] = ()) -> None:
+        super().__init__(_parameters(items))
+
+    def add(self, item: nn.Parameter) -> None:
+        super().add(*_parameters([item]))
+
+    def update(self, *others: Iterable[nn.Parameter]) -> None:
+        super().update(*(_parameters(o) for o in others))
+
+    def symmetric_difference_update(self, other: Iterable[nn.Parameter]) -> None:
+        super().symmetric_difference_update(_parameters(other))
+
+    def __ior__(self, other: AbstractSet[nn.Parameter]) -> ParameterSet:  # type: ignore[override]
+        self.update(other)
+        return self
+
+    def __ixor__(self, other: AbstractSet[nn.Parameter]) -> ParameterSet:  # type: ignore[override]
+        self.symmetric_difference_update(other)
+        return self
+
+
+def _ignored_in(index: ModelIndex, ignored_params: Collection[nn.Parameter] | None) -> tuple[str, ...]:
+    """The canonical names of the module's parameters that are ignored.
+
+    A :class:`ParameterSet` is looked up per parameter of the module (its
+    members are Parameters already); any other collection is checked whole.
+    """
+    if ignored_params is None:
+        return ()
+    if isinstance(ignored_params, ParameterSet):
+        found: Iterable[nn.Parameter] = (p for p in index.param_objects if p in ignored_params)
+    else:
+        found = _parameters(ignored_params)
+    fqn = index.param_fqn
+    return tuple(fqn[id(p)] for p in found if id(p) in fqn)
 
 
 def fully_shard_across_blocks(
@@ -116,7 +171,7 @@ def fully_shard_across_blocks(
     offload_policy: OffloadPolicy | None,
     *,
     shard_module: ShardModule = fully_shard,
-) -> set[nn.Parameter]:
+) -> ParameterSet:
     """Put every block's instance of each named fp32 holder into ONE FSDP unit.
 
     A holder whose forward ignores its input never fires FSDP2's per-unit
@@ -130,7 +185,8 @@ def fully_shard_across_blocks(
     its children get dtype units first, so the cross-block unit owns only the
     direct fp32 parameters. A single string is one name. Returns the
     parameters of every unit made here as they are after sharding (DTensor
-    parameters), for use as ``ignored_params`` of the enclosing units.
+    parameters), for use as ``ignored_params`` of the enclosing units, as a
+    :class:`ParameterSet`: a ``set`` with which those calls stay linear.
     """
     names = _tuple_of_str(module_names, "module_names")
     holder = nn.ModuleList(blocks)  # a view for FQNs "0.attn.sinks"; blocks are not changed
@@ -143,8 +199,8 @@ def fully_shard_across_blocks(
         dtype_request=None,
         index=index,
     )
-    apply_plan(Plan(units=units, verified=vouch(index, units)), holder, mesh, shard_module=shard_module)
-    return {holder.get_parameter(f) for u in units for f in u.params}
+    _apply_now(Plan(units=units), holder, index, mesh, shard_module)
+    return ParameterSet(holder.get_parameter(f) for u in units for f in u.params)
 
 
 def configure_fsdp_unused_param_reduction(module: nn.Module) -> int:
