@@ -12,9 +12,10 @@ against its baseline measured in the same run, on the same model:
 - ``plan + apply``: ``plan`` then ``apply_plan`` with a recording primitive,
   against ``plan`` alone (target: <= 1.2x; validation reuses what planning
   knew);
-- ``imperative``: ``fully_shard_by_dtype`` on every block with one set of
-  every block's fp32 holder parameters as ``ignored_params``, then on the
-  root, against ``plan`` (target: <= 1.2x at the largest size). Its
+- ``imperative``: ``fully_shard_by_dtype`` on every block with one
+  ``ParameterSet`` of every block's fp32 holder parameters as
+  ``ignored_params`` (what ``fully_shard_across_blocks`` returns), then on
+  the root, against ``plan`` (target: <= 1.2x at the largest size). Its
   primitive does what ``fully_shard`` does to the module class and nothing
   else, so later calls see the earlier units;
 - ``apply_plan`` with real ``fully_shard`` on a fake mesh against the bare
