@@ -138,11 +138,11 @@ class ParameterSet(set[nn.Parameter]):
     def symmetric_difference_update(self, other: Iterable[nn.Parameter]) -> None:
         super().symmetric_difference_update(_parameters(other))
 
-    def __ior__(self, other: AbstractSet[nn.Parameter]) -> ParameterSet:  # type: ignore[override]
+    def __ior__(self, other: AbstractSet[nn.Parameter]) -> ParameterSet:  # type: ignore[override, misc]
         self.update(other)
         return self
 
-    def __ixor__(self, other: AbstractSet[nn.Parameter]) -> ParameterSet:  # type: ignore[override]
+    def __ixor__(self, other: AbstractSet[nn.Parameter]) -> ParameterSet:  # type: ignore[override, misc]
         self.symmetric_difference_update(other)
         return self
 

@@ -149,7 +149,7 @@ class ModelIndex:
         for p, slot in zip(self.param_objects, self.first_slots):
             _id, dtype, grad, _ndim = signature[slot]
             n = p.numel()
-            facts[id(p)] = (dtype, n, n * dtype.itemsize, getattr(p, "_hf_compute_dtype", None), grad)  # type: ignore[attr-defined]
+            facts[id(p)] = (dtype, n, n * dtype.itemsize, getattr(p, "_hf_compute_dtype", None), grad)
         return facts
 
     @property

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ __all__ = ["ModelWalk", "Vouched", "vouch", "vouched_modules", "walk_model"]
 # again through a second parent: its id alone.
 ModuleSignature = list[object]
 # Per parameter slot: (id, dtype, requires_grad, ndim).
-ParamSignature = list[tuple[object, ...]]
+ParamSignature = list[tuple[int, torch.dtype, bool, int]]
 
 
 @dataclass(frozen=True)
