@@ -139,8 +139,10 @@ def vouch_marks(index: ModelIndex, plan: Plan) -> object:
     vouched = plan.verified
     if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
         return vouched
-    params, modules = index.params, index.modules
-    if all(f in params for f in plan.reductions) and all(f in modules for f in plan.exclusions):
+    named = (not plan.reductions or all(f in index.params for f in plan.reductions)) and all(
+        f in index.modules for f in plan.exclusions
+    )
+    if named:
         return Vouched(
             vouched.module_signature,
             vouched.param_signature,
