@@ -39,12 +39,12 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdptx
 from fsdptx.planning._apply import shard_kwargs
 from fsdptx.presets import Decoder, DecoderConfig
-from fsdptx.testing import fake_mesh
+from fsdptx.testing import fake_mesh, mark_sharded
 
 from _timing import seconds  # benchmarks/ is on sys.path when run as a script
 
@@ -95,17 +95,6 @@ def ratio(a: Figure, b: Figure) -> str:
 
 def record(target: nn.Module | list[nn.Module], **kwargs: object) -> None:
     """A primitive that records nothing and shards nothing."""
-
-
-_SHARDED: dict[type, type] = {}
-
-
-def mark_sharded(target: nn.Module | list[nn.Module], **kwargs: object) -> None:
-    """What ``fully_shard`` does to the module class, and nothing else: later
-    calls see the module as an FSDP unit and stop there."""
-    for m in target if isinstance(target, list) else [target]:
-        cls = type(m)
-        m.__class__ = _SHARDED.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
 
 
 def imperative(model: nn.Module) -> None:

@@ -15,11 +15,11 @@ import pytest
 import torch
 from models import BF16, DIM, CastLinear, make_decoder
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 import fsdptx
 from fsdptx import Plan, PlanMismatchError
 from fsdptx.planning import _apply
+from fsdptx.testing import mark_sharded
 
 PIPELINE = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
 MESH = object()
@@ -113,16 +113,10 @@ def test_sharding_a_module_after_planning_is_refused_without_a_call() -> None:
     model = make_decoder()
     p = fsdptx.plan(model, PIPELINE)
     calls: list[object] = []
-    fsdptx.fully_shard_by_dtype(model.layers[0], None, None, None, shard_module=_mark_sharded)  # type: ignore[arg-type]
+    fsdptx.fully_shard_by_dtype(model.layers[0], None, None, None, shard_module=mark_sharded)  # type: ignore[arg-type]
     with pytest.raises(PlanMismatchError, match="already sharded"):
         fsdptx.apply_plan(p, model, MESH, shard_module=lambda t, **kw: calls.append(t))  # type: ignore[arg-type]
     assert calls == []
-
-
-def _mark_sharded(target: nn.Module | list[nn.Module], **kwargs: object) -> None:
-    """What fully_shard does to the module class, and nothing else."""
-    for m in target if isinstance(target, list) else [target]:
-        m.__class__ = type(f"FSDP{type(m).__name__}", (FSDPModule, type(m)), {})
 
 
 def test_edited_units_are_checked_in_full_even_when_equal(monkeypatch: pytest.MonkeyPatch) -> None:

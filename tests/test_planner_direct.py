@@ -17,14 +17,15 @@ from typing import Any
 
 import pytest
 import torch
-from models import BF16, DIM, FP32, CastLinear
+from models import BF16, DIM, FP32, CastLinear, make_decoder
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
-from fsdptx.testing import fake_mesh
+from fsdptx.planning._planner import ModelIndex
+from fsdptx.testing import fake_mesh, mark_sharded
 
 POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
 PIPELINE = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
@@ -493,3 +494,14 @@ def test_ignored_params_given_as_one_parameter_is_refused() -> None:
     mlp = leaf(BF16)
     with pytest.raises(TypeError, match="wrap it in a set"):
         record_by_dtype(mlp, mlp.w0)  # type: ignore[arg-type]
+
+
+def test_an_index_that_does_not_enter_sharded_modules_stops_at_them() -> None:
+    model = make_decoder()
+    fsdptx.fully_shard_by_dtype(model.layers[0], None, None, None, shard_module=mark_sharded)  # type: ignore[arg-type]
+    index = ModelIndex.build(model, enter_sharded=False)
+    assert "layers.0" in index.modules and id(model.layers[0]) in index.sharded
+    assert not any(f.startswith("layers.0.") for f in index.modules)
+    assert not any(f.startswith("layers.0.") for f in index.param_fqn.values())
+    assert any(f.startswith("layers.1.") for f in index.param_fqn.values())
+

@@ -67,7 +67,9 @@ def fully_shard_by_dtype(
     a ``module`` whose parameters are all ignored still gets its unit.
     """
     tokens = _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
-    index = ModelIndex.build(module)
+    # fully_shard stops at modules sharded by earlier calls, and so does the
+    # index: the root call after N blocks does not walk into them again.
+    index = ModelIndex.build(module, enter_sharded=False)
     ignored = _ignored_in(index, ignored_params)
     request = DtypeRequest(
         targets=("",),

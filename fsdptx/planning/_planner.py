@@ -76,8 +76,10 @@ class ModelIndex:
         return self.walk.shared_modules
 
     @classmethod
-    def build(cls, root: nn.Module) -> ModelIndex:
-        walk = walk_model(root)
+    def build(cls, root: nn.Module, *, enter_sharded: bool = True) -> ModelIndex:
+        """Index ``root``; ``enter_sharded=False`` leaves out what FSDP
+        modules below it hold (see :func:`walk_model`)."""
+        walk = walk_model(root, enter_sharded=enter_sharded)
         index = cls(root, walk)
         modules, parents, names = walk.modules, walk.parents, walk.names
         fqns = [""] * len(modules)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 if TYPE_CHECKING:
     from ._plan import Plan, Reduction, Unit
@@ -58,8 +59,14 @@ class ModelWalk:
     position: dict[int, int]  # module id -> position in ``modules``
 
 
-def walk_model(root: nn.Module) -> ModelWalk:
-    """Walk ``root`` once, children in registration order."""
+def walk_model(root: nn.Module, *, enter_sharded: bool = True) -> ModelWalk:
+    """Walk ``root`` once, children in registration order.
+
+    ``enter_sharded=False`` records an FSDP module below ``root`` but not
+    what it holds: ``fully_shard`` stops there too, so planning one call of
+    the imperative API after its blocks were sharded needs nothing inside
+    them. Such a partial walk's signature vouches for nothing.
+    """
     modules: list[nn.Module] = []
     parents: list[int] = []
     names: list[str] = []
@@ -84,6 +91,9 @@ def walk_model(root: nn.Module) -> ModelWalk:
         modules.append(module)
         parents.append(up)
         names.append(name)
+        if not enter_sharded and up >= 0 and isinstance(module, FSDPModule):
+            sign(None)
+            continue
         direct = module._parameters
         children = module._modules
         sign((mid, type(module), tuple(direct), tuple(children)))

@@ -1,0 +1,21 @@
+"""Stand-ins for ``fully_shard`` that tests and benchmarks pass as ``shard_module``."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+__all__ = ["mark_sharded"]
+
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def mark_sharded(target: nn.Module | list[nn.Module], **kwargs: object) -> None:
+    """Do to each module's class what ``fully_shard`` does (it becomes an
+    ``FSDPModule`` subclass), and nothing else: no parameter changes, no
+    process group. Later planning then sees these modules as units and stops
+    there, as it would after real sharding, at no cost."""
+    del kwargs
+    for m in target if isinstance(target, list) else [target]:
+        cls = type(m)
+        m.__class__ = _SHARDED_CLASSES.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
