@@ -16,6 +16,7 @@ unit) sends ``check_plan`` down the full check, so no error is weakened.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -57,6 +58,7 @@ class ModelWalk:
     param_signature: ParamSignature
     shared_modules: bool
     position: dict[int, int]  # module id -> position in ``modules``
+    complete: bool  # False: FSDP modules were not entered, the signature vouches for nothing
 
 
 def walk_model(root: nn.Module, *, enter_sharded: bool = True) -> ModelWalk:
@@ -109,7 +111,17 @@ def walk_model(root: nn.Module, *, enter_sharded: bool = True) -> ModelWalk:
                 if child is not None:
                     push((child, here, cname))
     return ModelWalk(
-        modules, parents, names, owners, slot_names, params, module_signature, param_signature, shared, position
+        modules,
+        parents,
+        names,
+        owners,
+        slot_names,
+        params,
+        module_signature,
+        param_signature,
+        shared,
+        position,
+        enter_sharded,
     )
 
 
@@ -130,9 +142,9 @@ class Vouched:
 
 def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
     """Vouch for ``units``, just resolved from ``index``; ``None`` (no
-    vouching: the full check runs) when some parameter is a scalar, which
-    only the full check names."""
-    if any(sig[3] == 0 for sig in index.walk.param_signature):
+    vouching: the full check runs) when the index did not see the whole
+    model, or some parameter is a scalar, which only the full check names."""
+    if not index.walk.complete or any(sig[3] == 0 for sig in index.walk.param_signature):
         return None
     position, modules = index.walk.position, index.modules
     return Vouched(
@@ -152,16 +164,7 @@ def vouch_marks(index: ModelIndex, plan: Plan) -> object:
     named = (not plan.reductions or all(f in index.params for f in plan.reductions)) and all(
         f in index.modules for f in plan.exclusions
     )
-    if named:
-        return Vouched(
-            vouched.module_signature,
-            vouched.param_signature,
-            vouched.units,
-            vouched.positions,
-            plan.reductions,
-            plan.exclusions,
-        )
-    return vouched
+    return dataclasses.replace(vouched, reductions=plan.reductions, exclusions=plan.exclusions) if named else vouched
 
 
 def vouched_modules(plan: Plan, model: nn.Module) -> list[list[nn.Module]] | None:
