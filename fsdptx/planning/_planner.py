@@ -69,6 +69,14 @@ class ModelIndex:
     first_slots: list[int] = field(default_factory=list)  # per param object: its first slot in the walk
     aliases: dict[int, list[str]] = field(default_factory=dict)
     sharded: set[int] = field(default_factory=set)
+    # Read by the survey instead of the modules' own dicts, which a large
+    # model no longer holds in the CPU caches once walked: per walk position,
+    # the end of its subtree in pre-order (exclusive; exact on a tree) and
+    # its first parameter slot (one more entry closes the last module's
+    # slots); per slot, its parameter's canonical FQN.
+    subtree_end: list[int] = field(default_factory=list)
+    slot_start: list[int] = field(default_factory=list)
+    slot_fqn: list[str] = field(default_factory=list)
 
     @property
     def shared_modules(self) -> bool:
@@ -105,6 +113,19 @@ class ModelIndex:
                 aliases.setdefault(pid, []).append(other)
         if aliases:
             index._prefer_declared_tie_sources()
+        index.slot_fqn = [param_fqn[id(p)] for p in walk.params]
+        end = list(range(1, len(modules) + 1))
+        for i in range(len(modules) - 1, 0, -1):  # children follow their parent in pre-order
+            up = parents[i]
+            if end[up] < end[i]:
+                end[up] = end[i]
+        index.subtree_end = end
+        start = [0] * (len(modules) + 1)
+        for owner in walk.owners:
+            start[owner + 1] += 1
+        for i in range(len(modules)):
+            start[i + 1] += start[i]
+        index.slot_start = start
         return index
 
     def _prefer_declared_tie_sources(self) -> None:
@@ -392,10 +413,11 @@ class _Survey:
     ``counts`` is parameters per group, each counted in its module's group.
     ``unsplittable`` lists the modules whose trainable direct parameters
     themselves mix groups, with those parameters. ``own`` is ``direct`` by
-    position in ``order`` (``_EMPTY`` for none), ready to fold.
+    position in ``order`` (``_EMPTY`` for none), ready to fold. ``order``
+    holds walk positions (``index.walk.modules``), as :func:`_survey` gives.
     """
 
-    order: list[nn.Module]
+    order: list[int]
     parent: list[int]
     claimed: list[tuple[str, nn.Parameter]]
     own: list[object]
@@ -405,20 +427,20 @@ class _Survey:
 
 
 def _survey_target(r: _Resolver, target: nn.Module) -> _Survey:
-    order, parent, claimed = _survey(r.index, target, r.sharded)
-    excluded, keys, frozen, param_fqn = r.excluded, r.keys, r.frozen, r.index.param_fqn
+    index = r.index
+    order, parent, claimed = _survey(index, target, r.sharded)
+    excluded, keys, frozen = r.excluded, r.keys, r.frozen
+    modules, params, start, fqns = index.walk.modules, index.walk.params, index.slot_start, index.slot_fqn
     direct: dict[int, DtypeKey] = {}
     counts: dict[DtypeKey, int] = {}
     unsplittable: list[tuple[nn.Module, list[tuple[str, DtypeKey]]]] = []
     state: list[object] = []
-    for m in order:
+    for i in order:
         own: DtypeKey | None = None
         mixed = False
         n = 0
         soft: dict[DtypeKey, int] | None = None
-        for p in m._parameters.values():
-            if p is None:
-                continue
+        for p in params[start[i] : start[i + 1]]:  # the module's direct parameters
             pid = id(p)
             k = keys.get(pid)
             if k is None or pid in excluded:
@@ -434,11 +456,11 @@ def _survey_target(r: _Resolver, target: nn.Module) -> _Survey:
                 mixed = True
         if mixed:
             listed = [
-                (param_fqn[id(p)], keys[id(p)])
-                for p in m._parameters.values()
-                if p is not None and id(p) in keys and id(p) not in excluded and id(p) not in frozen
+                (fqns[slot], keys[id(params[slot])])
+                for slot in range(start[i], start[i + 1])
+                if id(params[slot]) in keys and id(params[slot]) not in excluded and id(params[slot]) not in frozen
             ]
-            unsplittable.append((m, sorted(listed, key=lambda item: item[0])))
+            unsplittable.append((modules[i], sorted(listed, key=lambda item: item[0])))
             state.append(_MIXED)
             continue
         if own is None and soft:
@@ -447,7 +469,7 @@ def _survey_target(r: _Resolver, target: nn.Module) -> _Survey:
             state.append(_EMPTY)
         else:
             state.append(own)
-            direct[id(m)] = own
+            direct[id(modules[i])] = own
             counts[own] = counts.get(own, 0) + n
     return _Survey(order, parent, claimed, state, direct, counts, unsplittable)
 
@@ -476,7 +498,8 @@ def _subtree_states(r: _Resolver, target: nn.Module, s: _Survey) -> dict[int, ob
             state[up] = folded
         elif state[up] != folded:
             state[up] = _MIXED
-    return {id(m): st for m, st in zip(order, state)}
+    modules = r.index.walk.modules
+    return {id(modules[i]): st for i, st in zip(order, state)}
 
 
 @dataclass
@@ -626,13 +649,57 @@ def _ignored_in(r: _Resolver, s: _Survey) -> set[str]:
 
 def _survey(
     index: ModelIndex, target: nn.Module, stop: set[int]
-) -> tuple[list[nn.Module], list[int], list[tuple[str, nn.Parameter]]]:
-    """One walk of what ``fully_shard(target)`` would reach: the modules in
-    pre-order with each one's parent position, and the claimed parameters
-    (as :func:`claim`). The planner derives everything else from these lists
-    instead of walking the subtree again."""
-    param_fqn = index.param_fqn
-    order: list[nn.Module] = []
+) -> tuple[list[int], list[int], list[tuple[str, nn.Parameter]]]:
+    """What ``fully_shard(target)`` would reach: the walk positions of the
+    modules in pre-order with each one's parent (an index into that list),
+    and the claimed parameters (as :func:`claim`). The planner derives
+    everything else from these lists instead of walking the subtree again.
+
+    On a tree the reached modules are the target's pre-order range less the
+    subtrees of modules in ``stop``, and their parameters the matching slot
+    ranges: read from the index's lists alone, without touching a module
+    (on a large model each touch is a likely cache miss). A model with
+    shared modules takes :func:`_survey_shared`.
+    """
+    if index.shared_modules:
+        return _survey_shared(index, target, stop)
+    walk = index.walk
+    modules, parents, end = walk.modules, walk.parents, index.subtree_end
+    top = walk.position[id(target)]
+    order = [top]
+    parent = [-1]
+    local = {top: 0}  # position -> index in order
+    runs: list[tuple[int, int]] = []  # ranges of consecutive reached positions
+    first, i, last = top, top + 1, end[top]
+    while i < last:
+        if id(modules[i]) in stop:
+            runs.append((first, i))
+            first = i = end[i]
+            continue
+        local[i] = len(order)
+        order.append(i)
+        parent.append(local[parents[i]])
+        i += 1
+    runs.append((first, last))
+    start, fqns, params = index.slot_start, index.slot_fqn, walk.params
+    claimed: list[tuple[str, nn.Parameter]] = []
+    for a, b in runs:
+        a, b = start[a], start[b]
+        if a < b:
+            claimed.extend(zip(fqns[a:b], params[a:b]))
+    if index.aliases:
+        claimed = _first_occurrences(claimed)
+    return order, parent, claimed
+
+
+def _survey_shared(
+    index: ModelIndex, target: nn.Module, stop: set[int]
+) -> tuple[list[int], list[int], list[tuple[str, nn.Parameter]]]:
+    """:func:`_survey` on a model with shared modules: the walk recorded a
+    shared module's subtree under its first parent only, so follow the
+    modules' own ``_modules``, which list it under every parent."""
+    param_fqn, position = index.param_fqn, index.walk.position
+    order: list[int] = []
     parent: list[int] = []
     claimed: list[tuple[str, nn.Parameter]] = []
     stack: list[tuple[nn.Module, int]] = [(target, -1)]
@@ -641,7 +708,7 @@ def _survey(
         if m is not target and id(m) in stop:
             continue
         here = len(order)
-        order.append(m)
+        order.append(position[id(m)])
         parent.append(up)
         for p in m._parameters.values():
             if p is not None:
@@ -649,9 +716,7 @@ def _survey(
         children = m._modules
         if children:
             stack.extend([(c, here) for c in reversed(children.values()) if c is not None])
-    if index.shared_modules or index.aliases:
-        claimed = _first_occurrences(claimed)
-    return order, parent, claimed
+    return order, parent, _first_occurrences(claimed)
 
 
 def _dtype_pair(key: DtypeKey) -> str:
