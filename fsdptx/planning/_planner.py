@@ -63,7 +63,6 @@ class ModelIndex:
     root: nn.Module
     walk: ModelWalk
     modules: dict[str, nn.Module] = field(default_factory=dict)
-    fqn_of_module: dict[int, str] = field(default_factory=dict)
     param_fqn: dict[int, str] = field(default_factory=dict)
     param_objects: list[nn.Parameter] = field(default_factory=list)
     first_slots: list[int] = field(default_factory=list)  # per param object: its first slot in the walk
@@ -74,6 +73,10 @@ class ModelIndex:
     # the end of its subtree in pre-order (exclusive; exact on a tree) and
     # its first parameter slot (one more entry closes the last module's
     # slots); per slot, its parameter's canonical FQN.
+    # Per walk position, the module's FQN and class (the class as the walk's
+    # signature recorded it): the class is read without touching the module.
+    module_fqns: list[str] = field(default_factory=list)
+    module_types: list[type] = field(default_factory=list)
     subtree_end: list[int] = field(default_factory=list)
     slot_start: list[int] = field(default_factory=list)
     slot_fqn: list[str] = field(default_factory=list)
@@ -93,12 +96,20 @@ class ModelIndex:
             up = fqns[parents[i]]
             fqns[i] = f"{up}.{names[i]}" if up else names[i]
         index.modules = dict(zip(fqns, modules))
-        index.fqn_of_module = {id(m): f for f, m in zip(fqns, modules)}
-        index.sharded = {id(m) for m in modules if isinstance(m, FSDPModule)}
+        index.module_fqns = fqns
+        # Signature entries are (id, class, ...) per first visit, a bare id per repeat.
+        types = index.module_types = [sig[1] for sig in walk.module_signature if type(sig) is tuple]
+        fsdp = {t for t in set(types) if issubclass(t, FSDPModule)}
+        if fsdp:
+            index.sharded = {id(m) for m, t in zip(modules, types) if t in fsdp}
         param_fqn, objects, first, aliases = index.param_fqn, index.param_objects, index.first_slots, index.aliases
+        slot_fqn = index.slot_fqn
+        start = [0] * (len(modules) + 1)
         for slot, (owner, name, p) in enumerate(zip(walk.owners, walk.slot_names, walk.params)):
+            start[owner + 1] += 1
             up = fqns[owner]
             fqn = f"{up}.{name}" if up else name
+            slot_fqn.append(fqn)
             pid = id(p)
             known = param_fqn.get(pid)
             if known is None:
@@ -113,18 +124,15 @@ class ModelIndex:
                 aliases.setdefault(pid, []).append(other)
         if aliases:
             index._prefer_declared_tie_sources()
-        index.slot_fqn = [param_fqn[id(p)] for p in walk.params]
+            index.slot_fqn = [param_fqn[id(p)] for p in walk.params]  # every slot under its canonical name
+        for i in range(len(modules)):
+            start[i + 1] += start[i]
         end = list(range(1, len(modules) + 1))
         for i in range(len(modules) - 1, 0, -1):  # children follow their parent in pre-order
             up = parents[i]
             if end[up] < end[i]:
                 end[up] = end[i]
         index.subtree_end = end
-        start = [0] * (len(modules) + 1)
-        for owner in walk.owners:
-            start[owner + 1] += 1
-        for i in range(len(modules)):
-            start[i + 1] += start[i]
         index.slot_start = start
         return index
 
@@ -172,6 +180,22 @@ class ModelIndex:
             n = p.numel()
             facts[id(p)] = (dtype, n, n * dtype.itemsize, getattr(p, "_hf_compute_dtype", None), grad)  # type: ignore[attr-defined]
         return facts
+
+    def fqn_of(self, module: nn.Module) -> str:
+        """The FQN of a module of the model (``KeyError`` for any other)."""
+        return self.module_fqns[self.walk.position[id(module)]]
+
+    @functools.cached_property
+    def fqn_of_module(self) -> dict[int, str]:
+        """Module id -> FQN, for lookups that may miss (built on first use)."""
+        return {id(m): f for m, f in zip(self.walk.modules, self.module_fqns)}
+
+    def direct_param_fqns(self, fqn: str) -> list[str]:
+        """Canonical FQNs of the direct parameters of module ``fqn``, from
+        the walk's slots: reading the module's ``_parameters`` again would
+        touch memory a large model has long evicted from the CPU caches."""
+        at = self.walk.position[id(self.modules[fqn])]
+        return self.slot_fqn[self.slot_start[at] : self.slot_start[at + 1]]
 
     @property
     def tied(self) -> bool:
@@ -271,7 +295,7 @@ class _Resolver:
         """
         if claimed is None:
             claimed = claim(self.index, modules, self.sharded)
-        here = [self.index.fqn_of_module[id(m)] for m in modules]
+        here = [self.index.fqn_of(m) for m in modules]
         excluded, owner, position, keys, frozen = self.excluded, self.owner, len(self.units), self.keys, self.frozen
         facts = self.index.param_facts
         params: list[str] = []
@@ -587,7 +611,7 @@ class _Descent:
         r = self.r
         claimed = claim(r.index, [module], r.sharded)
         self.reached.update(id(p) for _q, p in claimed)
-        below = r.ignored_under.get(r.index.fqn_of_module[id(module)], set()) & self.scope if self.scope else ()
+        below = r.ignored_under.get(r.index.fqn_of(module), set()) & self.scope if self.scope else ()
         r.add([module], "dtype", r.policy(key[1], True), self.reshard, claimed, below)
 
 
@@ -727,7 +751,7 @@ def _unsplittable_message(
     index: ModelIndex, found: list[tuple[nn.Module, list[tuple[str, DtypeKey]]]], target: str
 ) -> str:
     modules = "; ".join(
-        f"{index.fqn_of_module[id(m)] or '<root>'} holds "
+        f"{index.fqn_of(m) or '<root>'} holds "
         + ", ".join(f"{f} ({_dtype_pair(k)})" for f, k in params)
         for m, params in found
     )
@@ -835,7 +859,7 @@ def _split_children(r: _Resolver, holder: nn.Module, reshard: bool | int | None)
     owns only its direct parameters; returns the ignored parameters below it,
     for that unit to forward."""
     s = _survey_target(r, holder)
-    fqn = r.index.fqn_of_module[id(holder)]
+    fqn = r.index.fqn_of(holder)
     if s.unsplittable:
         raise PlanningError(_unsplittable_message(r.index, s.unsplittable, fqn))
     descent = _Descent(r, _subtree_states(r, holder, s), s.direct, reshard, _ignored_in(r, s))
@@ -910,8 +934,8 @@ def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[
     class_names = set(_declared_names(model, "_no_split_modules"))
     found: list[str] = []
     if class_names:
-        for fqn, module in idx.modules.items():
-            if type(module).__name__ not in class_names or not fqn:
+        for fqn, cls in zip(idx.module_fqns, idx.module_types):
+            if cls.__name__ not in class_names or not fqn:
                 continue
             parent, _, leaf = fqn.rpartition(".")
             if leaf == "_checkpoint_wrapped_module":
@@ -921,8 +945,8 @@ def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[
         if found:
             return tuple(sorted(found, key=_natural))
     best: tuple[str, nn.Module] | None = None
-    for fqn, module in idx.modules.items():
-        if type(module) is nn.ModuleList and (best is None or len(module._modules) > len(best[1]._modules)):
+    for fqn, cls, module in zip(idx.module_fqns, idx.module_types, idx.walk.modules):
+        if cls is nn.ModuleList and (best is None or len(module._modules) > len(best[1]._modules)):
             best = (fqn, module)
     if best is None:
         return ()
