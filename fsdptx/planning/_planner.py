@@ -204,8 +204,10 @@ class ModelIndex:
 
     @functools.cached_property
     def params(self) -> dict[str, nn.Parameter]:
-        """Canonical FQN -> parameter (built on first use: most plans never need it)."""
-        return {self.param_fqn[id(p)]: p for p in self.param_objects}
+        """Canonical FQN -> parameter (built on first use), from the slot lists
+        rather than ``param_fqn``: sequential reads, no hashing of ids."""
+        slot_fqn = self.slot_fqn
+        return dict(zip([slot_fqn[s] for s in self.first_slots], self.param_objects))
 
     def param_named(self, fqn: str) -> nn.Parameter | None:
         """The parameter called ``fqn`` under its canonical name or an alias."""
