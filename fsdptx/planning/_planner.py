@@ -63,12 +63,23 @@ class ModelIndex:
     root: nn.Module
     walk: ModelWalk
     modules: dict[str, nn.Module] = field(default_factory=dict)
-    fqn_of_module: dict[int, str] = field(default_factory=dict)
     param_fqn: dict[int, str] = field(default_factory=dict)
     param_objects: list[nn.Parameter] = field(default_factory=list)
     first_slots: list[int] = field(default_factory=list)  # per param object: its first slot in the walk
     aliases: dict[int, list[str]] = field(default_factory=dict)
     sharded: set[int] = field(default_factory=set)
+    # Read by the survey instead of the modules' own dicts, which a large
+    # model no longer holds in the CPU caches once walked: per walk position,
+    # the end of its subtree in pre-order (exclusive; exact on a tree) and
+    # its first parameter slot (one more entry closes the last module's
+    # slots); per slot, its parameter's canonical FQN.
+    # Per walk position, the module's FQN and class (the class as the walk's
+    # signature recorded it): the class is read without touching the module.
+    module_fqns: list[str] = field(default_factory=list)
+    module_types: list[type] = field(default_factory=list)
+    subtree_end: list[int] = field(default_factory=list)
+    slot_start: list[int] = field(default_factory=list)
+    slot_fqn: list[str] = field(default_factory=list)
 
     @property
     def shared_modules(self) -> bool:
@@ -87,12 +98,20 @@ class ModelIndex:
             up = fqns[parents[i]]
             fqns[i] = f"{up}.{names[i]}" if up else names[i]
         index.modules = dict(zip(fqns, modules))
-        index.fqn_of_module = {id(m): f for f, m in zip(fqns, modules)}
-        index.sharded = {id(m) for m in modules if isinstance(m, FSDPModule)}
+        index.module_fqns = fqns
+        # Signature entries are (id, class, ...) per first visit, a bare id per repeat.
+        types = index.module_types = [sig[1] for sig in walk.module_signature if type(sig) is tuple]
+        fsdp = {t for t in set(types) if issubclass(t, FSDPModule)}
+        if fsdp:
+            index.sharded = {id(m) for m, t in zip(modules, types) if t in fsdp}
         param_fqn, objects, first, aliases = index.param_fqn, index.param_objects, index.first_slots, index.aliases
+        slot_fqn = index.slot_fqn
+        start = [0] * (len(modules) + 1)
         for slot, (owner, name, p) in enumerate(zip(walk.owners, walk.slot_names, walk.params)):
+            start[owner + 1] += 1
             up = fqns[owner]
             fqn = f"{up}.{name}" if up else name
+            slot_fqn.append(fqn)
             pid = id(p)
             known = param_fqn.get(pid)
             if known is None:
@@ -107,6 +126,16 @@ class ModelIndex:
                 aliases.setdefault(pid, []).append(other)
         if aliases:
             index._prefer_declared_tie_sources()
+            index.slot_fqn = [param_fqn[id(p)] for p in walk.params]  # every slot under its canonical name
+        for i in range(len(modules)):
+            start[i + 1] += start[i]
+        end = list(range(1, len(modules) + 1))
+        for i in range(len(modules) - 1, 0, -1):  # children follow their parent in pre-order
+            up = parents[i]
+            if end[up] < end[i]:
+                end[up] = end[i]
+        index.subtree_end = end
+        index.slot_start = start
         return index
 
     def _prefer_declared_tie_sources(self) -> None:
@@ -154,6 +183,22 @@ class ModelIndex:
             facts[id(p)] = (dtype, n, n * dtype.itemsize, getattr(p, "_hf_compute_dtype", None), grad)
         return facts
 
+    def fqn_of(self, module: nn.Module) -> str:
+        """The FQN of a module of the model (``KeyError`` for any other)."""
+        return self.module_fqns[self.walk.position[id(module)]]
+
+    @functools.cached_property
+    def fqn_of_module(self) -> dict[int, str]:
+        """Module id -> FQN, for lookups that may miss (built on first use)."""
+        return {id(m): f for m, f in zip(self.walk.modules, self.module_fqns)}
+
+    def direct_param_fqns(self, fqn: str) -> list[str]:
+        """Canonical FQNs of the direct parameters of module ``fqn``, from
+        the walk's slots: reading the module's ``_parameters`` again would
+        touch memory a large model has long evicted from the CPU caches."""
+        at = self.walk.position[id(self.modules[fqn])]
+        return self.slot_fqn[self.slot_start[at] : self.slot_start[at + 1]]
+
     @property
     def tied(self) -> bool:
         """Whether some parameter has two names."""
@@ -161,8 +206,10 @@ class ModelIndex:
 
     @functools.cached_property
     def params(self) -> dict[str, nn.Parameter]:
-        """Canonical FQN -> parameter (built on first use: most plans never need it)."""
-        return {self.param_fqn[id(p)]: p for p in self.param_objects}
+        """Canonical FQN -> parameter (built on first use), from the slot lists
+        rather than ``param_fqn``: sequential reads, no hashing of ids."""
+        slot_fqn = self.slot_fqn
+        return dict(zip([slot_fqn[s] for s in self.first_slots], self.param_objects))
 
     def param_named(self, fqn: str) -> nn.Parameter | None:
         """The parameter called ``fqn`` under its canonical name or an alias."""
@@ -252,7 +299,7 @@ class _Resolver:
         """
         if claimed is None:
             claimed = claim(self.index, modules, self.sharded)
-        here = [self.index.fqn_of_module[id(m)] for m in modules]
+        here = [self.index.fqn_of(m) for m in modules]
         excluded, owner, position, keys, frozen = self.excluded, self.owner, len(self.units), self.keys, self.frozen
         facts = self.index.param_facts
         params: list[str] = []
@@ -394,10 +441,11 @@ class _Survey:
     ``counts`` is parameters per group, each counted in its module's group.
     ``unsplittable`` lists the modules whose trainable direct parameters
     themselves mix groups, with those parameters. ``own`` is ``direct`` by
-    position in ``order`` (``_EMPTY`` for none), ready to fold.
+    position in ``order`` (``_EMPTY`` for none), ready to fold. ``order``
+    holds walk positions (``index.walk.modules``), as :func:`_survey` gives.
     """
 
-    order: list[nn.Module]
+    order: list[int]
     parent: list[int]
     claimed: list[tuple[str, nn.Parameter]]
     own: list[object]
@@ -407,20 +455,20 @@ class _Survey:
 
 
 def _survey_target(r: _Resolver, target: nn.Module) -> _Survey:
-    order, parent, claimed = _survey(r.index, target, r.sharded)
-    excluded, keys, frozen, param_fqn = r.excluded, r.keys, r.frozen, r.index.param_fqn
+    index = r.index
+    order, parent, claimed = _survey(index, target, r.sharded)
+    excluded, keys, frozen = r.excluded, r.keys, r.frozen
+    modules, params, start, fqns = index.walk.modules, index.walk.params, index.slot_start, index.slot_fqn
     direct: dict[int, DtypeKey] = {}
     counts: dict[DtypeKey, int] = {}
     unsplittable: list[tuple[nn.Module, list[tuple[str, DtypeKey]]]] = []
     state: list[object] = []
-    for m in order:
+    for i in order:
         own: DtypeKey | None = None
         mixed = False
         n = 0
         soft: dict[DtypeKey, int] | None = None
-        for p in m._parameters.values():
-            if p is None:
-                continue
+        for p in params[start[i] : start[i + 1]]:  # the module's direct parameters
             pid = id(p)
             k = keys.get(pid)
             if k is None or pid in excluded:
@@ -436,11 +484,11 @@ def _survey_target(r: _Resolver, target: nn.Module) -> _Survey:
                 mixed = True
         if mixed:
             listed = [
-                (param_fqn[id(p)], keys[id(p)])
-                for p in m._parameters.values()
-                if p is not None and id(p) in keys and id(p) not in excluded and id(p) not in frozen
+                (fqns[slot], keys[id(params[slot])])
+                for slot in range(start[i], start[i + 1])
+                if id(params[slot]) in keys and id(params[slot]) not in excluded and id(params[slot]) not in frozen
             ]
-            unsplittable.append((m, sorted(listed, key=lambda item: item[0])))
+            unsplittable.append((modules[i], sorted(listed, key=lambda item: item[0])))
             state.append(_MIXED)
             continue
         if own is None and soft:
@@ -449,7 +497,7 @@ def _survey_target(r: _Resolver, target: nn.Module) -> _Survey:
             state.append(_EMPTY)
         else:
             state.append(own)
-            direct[id(m)] = own
+            direct[id(modules[i])] = own
             counts[own] = counts.get(own, 0) + n
     return _Survey(order, parent, claimed, state, direct, counts, unsplittable)
 
@@ -478,7 +526,8 @@ def _subtree_states(r: _Resolver, target: nn.Module, s: _Survey) -> dict[int, ob
             state[up] = folded
         elif state[up] != folded:
             state[up] = _MIXED
-    return {id(m): st for m, st in zip(order, state)}
+    modules = r.index.walk.modules
+    return {id(modules[i]): st for i, st in zip(order, state)}
 
 
 @dataclass
@@ -566,7 +615,7 @@ class _Descent:
         r = self.r
         claimed = claim(r.index, [module], r.sharded)
         self.reached.update(id(p) for _q, p in claimed)
-        below = r.ignored_under.get(r.index.fqn_of_module[id(module)], set()) & self.scope if self.scope else ()
+        below = r.ignored_under.get(r.index.fqn_of(module), set()) & self.scope if self.scope else ()
         r.add([module], "dtype", r.policy(key[1], True), self.reshard, claimed, below)
 
 
@@ -628,13 +677,57 @@ def _ignored_in(r: _Resolver, s: _Survey) -> set[str]:
 
 def _survey(
     index: ModelIndex, target: nn.Module, stop: set[int]
-) -> tuple[list[nn.Module], list[int], list[tuple[str, nn.Parameter]]]:
-    """One walk of what ``fully_shard(target)`` would reach: the modules in
-    pre-order with each one's parent position, and the claimed parameters
-    (as :func:`claim`). The planner derives everything else from these lists
-    instead of walking the subtree again."""
-    param_fqn = index.param_fqn
-    order: list[nn.Module] = []
+) -> tuple[list[int], list[int], list[tuple[str, nn.Parameter]]]:
+    """What ``fully_shard(target)`` would reach: the walk positions of the
+    modules in pre-order with each one's parent (an index into that list),
+    and the claimed parameters (as :func:`claim`). The planner derives
+    everything else from these lists instead of walking the subtree again.
+
+    On a tree the reached modules are the target's pre-order range less the
+    subtrees of modules in ``stop``, and their parameters the matching slot
+    ranges: read from the index's lists alone, without touching a module
+    (on a large model each touch is a likely cache miss). A model with
+    shared modules takes :func:`_survey_shared`.
+    """
+    if index.shared_modules:
+        return _survey_shared(index, target, stop)
+    walk = index.walk
+    modules, parents, end = walk.modules, walk.parents, index.subtree_end
+    top = walk.position[id(target)]
+    order = [top]
+    parent = [-1]
+    local = {top: 0}  # position -> index in order
+    runs: list[tuple[int, int]] = []  # ranges of consecutive reached positions
+    first, i, last = top, top + 1, end[top]
+    while i < last:
+        if id(modules[i]) in stop:
+            runs.append((first, i))
+            first = i = end[i]
+            continue
+        local[i] = len(order)
+        order.append(i)
+        parent.append(local[parents[i]])
+        i += 1
+    runs.append((first, last))
+    start, fqns, params = index.slot_start, index.slot_fqn, walk.params
+    claimed: list[tuple[str, nn.Parameter]] = []
+    for a, b in runs:
+        a, b = start[a], start[b]
+        if a < b:
+            claimed.extend(zip(fqns[a:b], params[a:b]))
+    if index.aliases:
+        claimed = _first_occurrences(claimed)
+    return order, parent, claimed
+
+
+def _survey_shared(
+    index: ModelIndex, target: nn.Module, stop: set[int]
+) -> tuple[list[int], list[int], list[tuple[str, nn.Parameter]]]:
+    """:func:`_survey` on a model with shared modules: the walk recorded a
+    shared module's subtree under its first parent only, so follow the
+    modules' own ``_modules``, which list it under every parent."""
+    param_fqn, position = index.param_fqn, index.walk.position
+    order: list[int] = []
     parent: list[int] = []
     claimed: list[tuple[str, nn.Parameter]] = []
     stack: list[tuple[nn.Module, int]] = [(target, -1)]
@@ -643,7 +736,7 @@ def _survey(
         if m is not target and id(m) in stop:
             continue
         here = len(order)
-        order.append(m)
+        order.append(position[id(m)])
         parent.append(up)
         for p in m._parameters.values():
             if p is not None:
@@ -651,9 +744,7 @@ def _survey(
         children = m._modules
         if children:
             stack.extend([(c, here) for c in reversed(children.values()) if c is not None])
-    if index.shared_modules or index.aliases:
-        claimed = _first_occurrences(claimed)
-    return order, parent, claimed
+    return order, parent, _first_occurrences(claimed)
 
 
 def _dtype_pair(key: DtypeKey) -> str:
@@ -664,7 +755,7 @@ def _unsplittable_message(
     index: ModelIndex, found: list[tuple[nn.Module, list[tuple[str, DtypeKey]]]], target: str
 ) -> str:
     modules = "; ".join(
-        f"{index.fqn_of_module[id(m)] or '<root>'} holds "
+        f"{index.fqn_of(m) or '<root>'} holds "
         + ", ".join(f"{f} ({_dtype_pair(k)})" for f, k in params)
         for m, params in found
     )
@@ -772,7 +863,7 @@ def _split_children(r: _Resolver, holder: nn.Module, reshard: bool | int | None)
     owns only its direct parameters; returns the ignored parameters below it,
     for that unit to forward."""
     s = _survey_target(r, holder)
-    fqn = r.index.fqn_of_module[id(holder)]
+    fqn = r.index.fqn_of(holder)
     if s.unsplittable:
         raise PlanningError(_unsplittable_message(r.index, s.unsplittable, fqn))
     descent = _Descent(r, _subtree_states(r, holder, s), s.direct, reshard, _ignored_in(r, s))
@@ -847,8 +938,8 @@ def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[
     class_names = set(_declared_names(model, "_no_split_modules"))
     found: list[str] = []
     if class_names:
-        for fqn, module in idx.modules.items():
-            if type(module).__name__ not in class_names or not fqn:
+        for fqn, cls in zip(idx.module_fqns, idx.module_types):
+            if cls.__name__ not in class_names or not fqn:
                 continue
             parent, _, leaf = fqn.rpartition(".")
             if leaf == "_checkpoint_wrapped_module":
@@ -858,8 +949,8 @@ def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[
         if found:
             return tuple(sorted(found, key=_natural))
     best: tuple[str, nn.Module] | None = None
-    for fqn, module in idx.modules.items():
-        if type(module) is nn.ModuleList and (best is None or len(module._modules) > len(best[1]._modules)):
+    for fqn, cls, module in zip(idx.module_fqns, idx.module_types, idx.walk.modules):
+        if cls is nn.ModuleList and (best is None or len(module._modules) > len(best[1]._modules)):
             best = (fqn, module)
     if best is None:
         return ()

@@ -452,17 +452,15 @@ def mark_reduction(
         matched = matches[pattern]
         if not matched:
             raise PlanningError(f"mark_reduction: reduction glob {pattern!r} matches no module of the model")
-        if not any(p is not None for fqn in matched for p in index.modules[fqn]._parameters.values()):
+        direct = [index.direct_param_fqns(fqn) for fqn in matched]
+        if not any(direct):
             raise PlanningError(
                 f"mark_reduction: reduction glob {pattern!r} matches {_preview(matched)}, none of which holds "
                 "a parameter directly (a mark applies to a module's own parameters); point it at the "
                 "modules that own them, e.g. " + repr(pattern + ".*")
             )
-        for fqn in matched:
-            for p in index.modules[fqn]._parameters.values():
-                if p is None:
-                    continue
-                pfqn = index.param_fqn[id(p)]
+        for names in direct:
+            for pfqn in names:
                 if out.get(pfqn, reduction) != reduction:
                     raise PlanningError(
                         f"mark_reduction: parameter {pfqn!r} is marked both {out[pfqn]!r}"
