@@ -131,9 +131,9 @@ class ModelIndex:
             start[i + 1] += start[i]
         end = list(range(1, len(modules) + 1))
         for i in range(len(modules) - 1, 0, -1):  # children follow their parent in pre-order
-            up = parents[i]
-            if end[up] < end[i]:
-                end[up] = end[i]
+            above = parents[i]
+            if end[above] < end[i]:
+                end[above] = end[i]
         index.subtree_end = end
         index.slot_start = start
         return index

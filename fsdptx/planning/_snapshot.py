@@ -93,12 +93,11 @@ def walk_model(root: nn.Module, *, enter_sharded: bool = True) -> ModelWalk:
         modules.append(module)
         parents.append(up)
         names.append(name)
-        if not enter_sharded and up >= 0 and isinstance(module, FSDPModule):
-            sign(None)
-            continue
         direct = module._parameters
         children = module._modules
         sign((mid, type(module), tuple(direct), tuple(children)))
+        if not enter_sharded and up >= 0 and isinstance(module, FSDPModule):
+            continue
         if direct:
             for pname, p in direct.items():
                 if p is not None:
