@@ -505,3 +505,10 @@ def test_an_index_that_does_not_enter_sharded_modules_stops_at_them() -> None:
     assert not any(f.startswith("layers.0.") for f in index.param_fqn.values())
     assert any(f.startswith("layers.1.") for f in index.param_fqn.values())
 
+
+
+def test_an_index_that_does_not_enter_sharded_modules_still_lists_their_classes() -> None:
+    model = make_decoder()
+    fsdptx.fully_shard_by_dtype(model.layers[0], None, None, None, shard_module=mark_sharded)  # type: ignore[arg-type]
+    index = ModelIndex.build(model, enter_sharded=False)
+    assert index.module_types == [type(m) for m in index.modules.values()]
