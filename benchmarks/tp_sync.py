@@ -27,7 +27,7 @@ Method:
   parent, so a hang ends the script instead of blocking it.
 - Both ranks form one TP group: a 1-D mesh ``("tp",)`` of size 2.
 - The methods (fsdptx, the floor, the per-parameter loop and, to read the
-  overhead by, fsdptx's agreement all-reduce alone) are timed interleaved:
+  overhead by, fsdptx's agreement all-to-all alone) are timed interleaved:
   each run times every one, one after the other, in an order that rotates
   from run to run, so a slow spell of the shared machine hits all of them
   alike. Each timing starts from the same distinct per-rank gradients
@@ -193,8 +193,8 @@ def interleaved_runs(
     run, so each method takes each position in turn. Before each timing ``before``
     (restoring grads) runs untimed and a barrier lines the ranks up, so a
     timing measures the call, not one rank waiting for the other's restore.
-    gloo collectives on CPU tensors complete before ``all_reduce`` returns,
-    so a method returning means its reduction is done. The per-rank times
+    gloo collectives on CPU tensors issued without ``async_op`` complete
+    before they return, so a method returning means its work is done. The per-rank times
     are combined with one MAX all-reduce after the last run.
     """
     names = list(methods)
@@ -252,7 +252,7 @@ def phase_breakdown(
     helpers, so it must follow that function when it changes. Phases:
     validate (arguments, TP context, layout cache check), grads (gradient
     states, plan lookup), pack (copy in of the first chunk, overlapping the
-    agreement all-reduce), agree wait (what is left of the agreement after
+    agreement all-to-all), agree wait (what is left of the agreement after
     the pack), collective (the data all-reduce), unpack (sums scaled into
     means, copy out).
     """
@@ -379,12 +379,13 @@ def worker(rank: int, world_size: int, runs: int, blocks: int, warmup: int, repe
     floor = pre_packed_floor(grads_of(model), group)
 
     # For reading the overhead only: fsdptx first agrees on what to reduce
-    # with one all-reduce of 8 int64 (see _agree), a latency no packing of
-    # the data removes.
-    meta = torch.zeros(8, dtype=torch.int64)
+    # with one all-to-all of 4 int64 per rank pair (see _agree), a latency no
+    # packing of the data removes.
+    sent = torch.zeros(4 * WORLD_SIZE, dtype=torch.int64)
+    received = torch.zeros(4 * WORLD_SIZE, dtype=torch.int64)
 
     def agreement() -> None:
-        dist.all_reduce(meta, op=dist.ReduceOp.MAX, group=group)
+        dist.all_to_all_single(received, sent, group=group)
 
     # Sanity, untimed: both methods compute the same thing.
     restore()
@@ -466,7 +467,7 @@ def report(
     n_sync, n_base, n_floor = collectives
     print(f"collectives per call: fsdptx {n_sync}, per-parameter {n_base}, floor {n_floor}\n")
     print(
-        "| round | floor (ms) | fsdptx (ms) | per-param (ms) | agreement all-reduce (ms) | "
+        "| round | floor (ms) | fsdptx (ms) | per-param (ms) | agreement all-to-all (ms) | "
         "fsdptx / floor, per run (q1-q3) | per-param / fsdptx, per run (q1-q3) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -490,12 +491,12 @@ def report(
     )
     print(
         "floor = one pre-packed fp32 all_reduce + one foreach copy in and one out; fsdptx adds "
-        "its agreement all-reduce (timed alone in its column), turning sums into means and local bookkeeping; "
+        "its agreement all-to-all (timed alone in its column), turning sums into means and local bookkeeping; "
         "times are medians"
     )
     print(
         f"\nPer-phase breakdown of one fsdptx call (median us over {runs} runs, per rank; "
-        "pack overlaps the agreement all-reduce, 'agree wait' is what is left of it):\n"
+        "pack overlaps the agreement all-to-all, 'agree wait' is what is left of it):\n"
     )
     print("| rank | " + " | ".join(PHASES) + " |")
     print("|---:|" + "---:|" * len(PHASES))

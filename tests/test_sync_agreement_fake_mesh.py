@@ -312,67 +312,76 @@ def test_the_remembered_tp_context_keeps_neither_mesh_nor_group_alive() -> None:
 
 
 @pytest.fixture
-def all_reduce_storages(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The storage address of every all-reduced tensor, in issue order."""
-    seen: list[int] = []
-    real = dist.all_reduce
+def storages(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """(collective, storage address of its first tensor) for every
+    all-to-all (the agreement) and all-reduce (the data), in issue order.
+    The tensors are kept alive, so no later allocation can reuse an
+    address and make two storages look like one."""
+    seen: list[tuple[str, int]] = []
+    kept: list[torch.Tensor] = []
+    for name in ("all_to_all_single", "all_reduce"):
+        real = getattr(dist, name)
 
-    def spy(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
-        seen.append(tensor.untyped_storage().data_ptr())
-        return real(tensor, *args, **kwargs)  # type: ignore[arg-type]
+        def spy(tensor: torch.Tensor, *args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            kept.append(tensor)
+            seen.append((_name, tensor.untyped_storage().data_ptr()))
+            return _real(tensor, *args, **kwargs)
 
-    monkeypatch.setattr(dist, "all_reduce", spy)
+        monkeypatch.setattr(dist, name, spy)
     return seen
 
 
-def _buffer_address(model: nn.Module) -> int:
-    plan = _layout_of(model).plan
+def _buffer_address(model: nn.Module, op: str = "sync") -> int:
+    plan = model.__dict__["_fsdptx_tp_layouts"][op].plan
     return int(plan.storages[torch.device("cpu")].data_ptr())
 
 
-def test_the_call_that_makes_the_buffer_agrees_in_its_head(mesh: DeviceMesh, all_reduce_storages: list[int]) -> None:
+def _linear_with_grads(size: int) -> nn.Module:
+    model = nn.Linear(size, size)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    return model
+
+
+def test_the_call_that_makes_the_buffer_agrees_in_its_head(
+    mesh: DeviceMesh, storages: list[tuple[str, int]]
+) -> None:
     """Nothing else is allocated next to the buffer: a separate agreement
     tensor, even one freed before the buffer is made, can be kept a little
     longer by the process group's worker thread, and the peak would exceed
     ``max_bytes``."""
-    model = nn.Linear(8, 8)  # 72 fp32 elements: a buffer far larger than the agreement's 64 bytes
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
+    model = _linear_with_grads(8)  # 72 fp32 elements: more than the agreement's 2 * 2 * 4 int64
     synchronize_tp_replica_gradients(model, mesh)
-    assert all_reduce_storages == [_buffer_address(model)] * 2  # the agreement, then the data
+    buffer = _buffer_address(model)
+    assert storages == [("all_to_all_single", buffer), ("all_reduce", buffer)]
 
 
-def test_a_repeated_call_agrees_in_a_tensor_of_its_own(mesh: DeviceMesh, all_reduce_storages: list[int]) -> None:
+def test_a_repeated_call_agrees_in_a_tensor_of_its_own(mesh: DeviceMesh, storages: list[tuple[str, int]]) -> None:
     """Its pack writes the buffer while the agreement is in flight."""
-    model = nn.Linear(8, 8)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
+    model = _linear_with_grads(8)
     synchronize_tp_replica_gradients(model, mesh)
-    del all_reduce_storages[:]
+    del storages[:]
     synchronize_tp_replica_gradients(model, mesh)
-    agreement, data = all_reduce_storages
+    (_, agreement), (_, data) = storages
     assert data == _buffer_address(model) != agreement
 
 
 def test_a_buffer_smaller_than_the_agreement_is_made_after_it(
-    mesh: DeviceMesh, all_reduce_storages: list[int]
+    mesh: DeviceMesh, storages: list[tuple[str, int]]
 ) -> None:
-    model = nn.Linear(2, 2)  # 6 fp32 elements and the divisor: 28 bytes
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
+    model = _linear_with_grads(2)  # 6 fp32 elements and the divisor: 28 bytes
     synchronize_tp_replica_gradients(model, mesh)
-    agreement, data = all_reduce_storages
+    (_, agreement), (_, data) = storages
     assert data == _buffer_address(model) != agreement
     assert torch.equal(model.weight.grad, torch.full((2, 2), 0.5))
 
 
 def test_broadcast_agrees_in_the_head_of_the_buffer_it_makes(
-    mesh: DeviceMesh, all_reduce_storages: list[int]
+    mesh: DeviceMesh, storages: list[tuple[str, int]]
 ) -> None:
-    model = nn.Linear(8, 8)
+    model = _linear_with_grads(8)
     broadcast_tp_replicas(model, mesh)
-    plan = model.__dict__["_fsdptx_tp_layouts"]["broadcast"].plan
-    assert all_reduce_storages == [plan.storages[torch.device("cpu")].data_ptr()]
+    assert storages == [("all_to_all_single", _buffer_address(model, "broadcast"))]
 
 
 @pytest.mark.parametrize("change", ["none", "sparse", "dtype", "shape", "type"])

@@ -86,8 +86,14 @@ def _float_reductions(calls: list[Collective]) -> list[Collective]:
 
 
 def _is_agreement(call: Collective) -> bool:
-    """The small int64 all-reduce every sync and broadcast starts with."""
-    return call.op == "allreduce_" and call.dtypes == (torch.int64,) and call.shapes[0][0] <= 16
+    """The small int64 all-to-all every sync and broadcast starts with: four
+    values to and from each rank."""
+    size = 4 * len(call.group)
+    return (
+        call.op == "alltoall_base_"
+        and call.dtypes == (torch.int64, torch.int64)
+        and call.shapes == ((size,), (size,))
+    )
 
 
 class _Owner(nn.Module):
@@ -501,15 +507,14 @@ def test_float_reductions_are_fewer_than_parameters(dp_tp_mesh: DeviceMesh) -> N
     assert 1 < len(_float_reductions(calls)) < len(list(model.parameters()))
 
 
-def test_one_small_int64_all_reduce_precedes_the_float_reductions(dp_tp_mesh: DeviceMesh) -> None:
+def test_one_small_int64_all_to_all_precedes_the_float_reductions(dp_tp_mesh: DeviceMesh) -> None:
     model = _many_param_model()
     _set_grads(model, _known_grad)
     with record_collectives() as calls:
         synchronize_tp_replica_gradients(model, dp_tp_mesh, max_bytes=200)
-    ints = [i for i, c in enumerate(calls) if c.dtypes == (torch.int64,)]
+    ints = [i for i, c in enumerate(calls) if torch.int64 in c.dtypes]
     assert ints == [0]
-    assert calls[0].op == "allreduce_" and calls[0].group == (0, 1)
-    assert calls[0].shapes[0][0] <= 16
+    assert _is_agreement(calls[0]) and calls[0].group == (0, 1)
     assert len(calls) == 1 + len(_float_reductions(calls))
 
 
