@@ -2,7 +2,7 @@
 
 Run::
 
-    python benchmarks/tp_sync.py [--runs 20] [--blocks 64] [--warmup 3]
+    python benchmarks/tp_sync.py [--runs 20] [--blocks 64] [--warmup 3] [--repeats 3]
 
 Why this benchmark exists: under sequence parallelism every TP rank holds full
 copies of the norm weights, biases and router weights, and each copy gets a
@@ -11,8 +11,9 @@ parameter: a Llama-like model has ~130 such tensors of a few KiB each, so the
 step pays ~130 collective latencies for ~2 MiB of data.
 ``fsdptx.synchronize_tp_replica_gradients`` packs them into flat fp32 buffers
 instead. This script measures how close that gets to the floor (one
-all-reduce of one pre-packed buffer of the same size) and how much it gains
-over the per-parameter loop, and checks the memory bound of the chunked path.
+all-reduce of one pre-packed fp32 buffer of the same size, plus copying the
+gradients in and out of it) and how much it gains over the per-parameter
+loop, and checks the memory bound of the chunked path.
 
 It prints measured figures next to the targets; it is not a test and asserts
 nothing about them. Timings on a shared 2-core machine over loopback gloo are
@@ -25,15 +26,24 @@ Method:
   127.0.0.1 port, with a finite collective timeout and a join timeout on the
   parent, so a hang ends the script instead of blocking it.
 - Both ranks form one TP group: a 1-D mesh ``("tp",)`` of size 2.
-- Each timed run starts from the same distinct per-rank gradients (restored
-  outside the timed region), after a ``dist.barrier()``. A run's time is the
-  slowest rank's (what a training step waits for); the median over ``--runs``
-  runs after ``--warmup`` untimed runs is reported.
+- The methods (fsdptx, the floor, the per-parameter loop and, to read the
+  overhead by, fsdptx's agreement all-to-all alone) are timed interleaved:
+  each run times every one, one after the other, in an order that rotates
+  from run to run, so a slow spell of the shared machine hits all of them
+  alike. Each timing starts from the same distinct per-rank gradients
+  (restored outside the timed region) after a ``dist.barrier()``, with the
+  garbage collector paused. A timing is the slowest rank's (what a
+  training step waits for).
+- The ratios are taken per run (fsdptx over the floor of the same run,
+  per-parameter over fsdptx of the same run) and their median over
+  ``--runs`` runs, after ``--warmup`` untimed runs, is reported for each of
+  ``--repeats`` consecutive rounds, with the spread across rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -48,6 +58,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import fsdptx
 from fsdptx.testing import record_collectives, run_distributed
+
+from _timing import seconds  # benchmarks/ is on sys.path when run as a script
 
 WORLD_SIZE = 2
 NORM_DIM = 4096
@@ -116,6 +128,12 @@ def set_distinct_grads(model: nn.Module, rank: int) -> list[torch.Tensor]:
     return saved
 
 
+def grads_of(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters' gradients, in ``model.parameters()`` order (every
+    parameter has one once ``set_distinct_grads`` ran)."""
+    return [g for p in model.parameters() if (g := p.grad) is not None]
+
+
 def restore_grads(model: nn.Module, saved: list[torch.Tensor]) -> None:
     for p, g in zip(model.parameters(), saved):
         assert p.grad is not None
@@ -129,7 +147,7 @@ def per_parameter_all_reduce(model: ReplicatedSet, group: dist.ProcessGroup, siz
     """The baseline a careful hand-written loop would be: one all-reduce per
     gradient, low-precision ones upcast to fp32 and cast back, ``mean`` ones
     divided by the group size. Same numerics as fsdptx, different packing."""
-    sums = {id(layer.router.weight) for layer in model.layers if layer.router is not None}
+    sums = {id(b.router.weight) for b in model.layers if isinstance(b, Block) and b.router is not None}
     for p in model.parameters():
         g = p.grad
         assert g is not None
@@ -141,6 +159,24 @@ def per_parameter_all_reduce(model: ReplicatedSet, group: dist.ProcessGroup, siz
             g.copy_(work)
 
 
+def pre_packed_floor(grads: list[torch.Tensor], group: dist.ProcessGroup) -> Callable[[], None]:
+    """The floor: what no packing can avoid. One fp32 buffer for every
+    gradient with views into it prepared once (as fsdptx's cached plan keeps
+    them); a call copies the gradients in (casting bf16 up), all-reduces the
+    buffer once and copies them back out (casting down). No division, no
+    agreement, no bookkeeping: those are what fsdptx is measured on."""
+    numels = [g.numel() for g in grads]
+    staging = torch.empty(sum(numels))
+    views = [v.view(g.shape) for v, g in zip(staging.split(numels), grads)]
+
+    def floor() -> None:
+        torch._foreach_copy_(views, grads)
+        dist.all_reduce(staging, group=group)
+        torch._foreach_copy_(grads, views)
+
+    return floor
+
+
 def total_numel(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -148,28 +184,50 @@ def total_numel(model: nn.Module) -> int:
 # --------------------------------------------------------------------------- timing
 
 
-def time_runs(
-    fn: Callable[[], object], before: Callable[[], None], runs: int, warmup: int, device: torch.device
-) -> float:
-    """Median over ``runs`` of the slowest rank's wall time of ``fn()``, in ms.
+def interleaved_runs(
+    methods: dict[str, Callable[[], object]], before: Callable[[], None], runs: int, warmup: int
+) -> dict[str, list[float]]:
+    """Per method, the slowest rank's wall time (ms) in each of ``runs`` runs.
 
-    ``before`` (restoring grads) runs untimed; the barrier lines the ranks up
-    so a run measures the collective, not one rank waiting for the other to
-    finish its restore. gloo collectives on CPU tensors are synchronous
-    (``async_op=False``), so ``fn()`` returning means the reduction is done.
+    Each run times every method once; the order rotates by one from run to
+    run, so each method takes each position in turn. Before each timing ``before``
+    (restoring grads) runs untimed and a barrier lines the ranks up, so a
+    timing measures the call, not one rank waiting for the other's restore.
+    gloo collectives on CPU tensors issued without ``async_op`` complete
+    before they return, so a method returning means its work is done. The per-rank times
+    are combined with one MAX all-reduce after the last run.
     """
-    times: list[float] = []
+    names = list(methods)
+    times: list[list[float]] = [[] for _ in names]
     for i in range(warmup + runs):
-        before()
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(elapsed)
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+        for k in range(len(names)):
+            j = (i + k) % len(names)
+            before()
+            dist.barrier()
+            elapsed = seconds(methods[names[j]])
+            if i >= warmup:
+                times[j].append(elapsed * 1e3)
+    slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist()) * 1e3
+    return dict(zip(names, slowest.tolist()))
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """First quartile, median, third quartile (one value: itself thrice)."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def summarize(times: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
+    """Quartiles of each method's times and of the two per-run ratios: the
+    ratio of two methods timed in the same run, where a slow spell of the
+    machine slows both, is steadier than the ratio of their medians."""
+    summary = {name: quartiles(values) for name, values in times.items()}
+    summary["ratio"] = quartiles([s / f for s, f in zip(times["fsdptx"], times["floor"])])
+    summary["speedup"] = quartiles([b / s for b, s in zip(times["per-param"], times["fsdptx"])])
+    return summary
 
 
 def count_collectives(fn: Callable[[], object]) -> int:
@@ -194,9 +252,9 @@ def phase_breakdown(
     helpers, so it must follow that function when it changes. Phases:
     validate (arguments, TP context, layout cache check), grads (gradient
     states, plan lookup), pack (copy in of the first chunk, overlapping the
-    agreement all-reduce), agree wait (what is left of the agreement after
-    the pack), collective (the data all-reduce), unpack (division of the
-    means and copy out).
+    agreement all-to-all), agree wait (what is left of the agreement after
+    the pack), collective (the data all-reduce), unpack (sums scaled into
+    means, copy out).
     """
     from fsdptx.tp import _replicas as r
 
@@ -209,7 +267,7 @@ def phase_breakdown(
         marks: dict[str, int] = {}
         t0 = pc()
         parts, max_bytes = r._check_arguments(where, [model], mesh, "tp", fsdptx.DEFAULT_MAX_BUFFER_BYTES)
-        ctx = r._tp_context(mesh, "tp")
+        ctx = r._tp_context(mesh, "tp", r._cache_of(parts[0]))
         assert ctx is not None
         layout = r._layout(parts, ctx, max_bytes, "sync", with_buffers=False)
         t1 = pc()
@@ -222,7 +280,7 @@ def phase_breakdown(
         t2 = pc()
 
         def agree() -> Callable[[], None]:
-            finish = r._agree(where, ctx, layout, max_bytes, plan.call_digest, states, deviations, sparse)
+            finish = r._agree(where, ctx, layout, max_bytes, plan.call_digest, states, deviations, sparse, None)
 
             def timed() -> None:
                 marks["wait"] = pc()
@@ -299,17 +357,15 @@ def fmt_bytes(n: float) -> str:
 
 
 def worker(rank: int, world_size: int, runs: int, blocks: int, warmup: int, repeats: int) -> None:
-    """One rank (the gloo group is set up by ``run_distributed``, one thread
-    per rank): build the model, time the three methods, measure memory; rank 0
+    """One rank (the gloo group is set up by ``run_distributed``, one process
+    per rank): build the model, time the methods, measure memory; rank 0
     prints."""
     mesh: DeviceMesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
     group = mesh.get_group("tp")
-    device = torch.device("cpu")
 
     model = ReplicatedSet(blocks)
     saved = set_distinct_grads(model, rank)
     numel = total_numel(model)
-    packed = torch.randn(numel)  # the limit: already packed, already fp32
 
     def restore() -> None:
         restore_grads(model, saved)
@@ -320,53 +376,36 @@ def worker(rank: int, world_size: int, runs: int, blocks: int, warmup: int, repe
     def baseline() -> None:
         per_parameter_all_reduce(model, group, WORLD_SIZE)
 
-    def limit() -> None:
-        dist.all_reduce(packed, group=group)
+    floor = pre_packed_floor(grads_of(model), group)
 
-    # For the breakdown only: fsdptx first agrees on what to reduce with
-    # one all-reduce of 8 int64 (see _agree), so its own floor is the
-    # limit plus this latency.
-    meta = torch.zeros(8, dtype=torch.int64)
+    # For reading the overhead only: fsdptx first agrees on what to reduce
+    # with one all-to-all of 4 int64 per rank pair (see _agree), a latency no
+    # packing of the data removes.
+    sent = torch.zeros(4 * WORLD_SIZE, dtype=torch.int64)
+    received = torch.zeros(4 * WORLD_SIZE, dtype=torch.int64)
 
-    def metadata() -> None:
-        dist.all_reduce(meta, op=dist.ReduceOp.MAX, group=group)
+    def agreement() -> None:
+        dist.all_to_all_single(received, sent, group=group)
 
     # Sanity, untimed: both methods compute the same thing.
     restore()
     synced = sync()
-    ours = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    ours = [g.clone() for g in grads_of(model)]
     restore()
     baseline()
-    same = all(torch.equal(a, p.grad) for a, p in zip(ours, model.parameters()))
+    same = all(torch.equal(a, b) for a, b in zip(ours, grads_of(model)))
 
     restore()
     n_sync = count_collectives(sync)
     restore()
     n_base = count_collectives(baseline)
-    n_limit = count_collectives(limit)
+    restore()
+    n_floor = count_collectives(floor)
 
-    # The floor: the pre-packed all-reduce plus the copies no packing can
-    # avoid, one copy in and one copy out (casting bf16 up and back down),
-    # into views prepared once, as fsdptx's cached plan does.
-    grads = [p.grad for p in model.parameters()]
-    staging = torch.empty(numel)
-    views = [v.view(g.shape) for v, g in zip(staging.split([g.numel() for g in grads]), grads)]  # type: ignore[union-attr]
-
-    def copies() -> None:
-        torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
-        torch._foreach_copy_(grads, views)  # type: ignore[arg-type]
-
-    rounds: list[dict[str, float]] = []
-    for _ in range(repeats):
-        t_sync = time_runs(sync, restore, runs, warmup, device)
-        t_base = time_runs(baseline, restore, runs, warmup, device)
-        t_limit = time_runs(limit, lambda: None, runs, warmup, device)
-        t_copy = time_runs(copies, lambda: None, runs, warmup, device)
-        t_meta = time_runs(metadata, lambda: None, runs, warmup, device)
-        rounds.append(
-            {"sync": t_sync, "base": t_base, "limit": t_limit, "copy": t_copy, "meta": t_meta,
-             "floor": t_limit + t_copy}
-        )
+    methods: dict[str, Callable[[], object]] = {
+        "fsdptx": sync, "floor": floor, "per-param": baseline, "agreement": agreement,
+    }
+    rounds = [summarize(interleaved_runs(methods, restore, runs, warmup)) for _ in range(repeats)]
 
     restore()
     sync()  # the breakdown reuses the cached plan of the last call
@@ -385,71 +424,100 @@ def worker(rank: int, world_size: int, runs: int, blocks: int, warmup: int, repe
         restore_grads(mem_model, mem_saved)
         dist.barrier()
         peak = peak_extra_cpu_bytes(
-            lambda b=budget: fsdptx.synchronize_tp_replica_gradients([mem_model], mesh, max_bytes=b)
+            functools.partial(fsdptx.synchronize_tp_replica_gradients, [mem_model], mesh, max_bytes=budget)
         )
         worst = torch.tensor([peak], dtype=torch.int64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         peaks[label] = int(worst.item())
 
     if rank == 0:
-        n_params = sum(1 for _ in model.parameters())
-        print(
-            f"TP-replica gradient sync, gloo, {WORLD_SIZE} ranks (1 TP group), torch {torch.__version__}\n"
-            f"model: {blocks} blocks x 2 norms ({NORM_DIM}, fp32 + bf16) + final norm + "
-            f"{ROUTERS} sum-marked routers {ROUTER_SHAPE}: {n_params} grads, {numel:,} elements "
-            f"({fmt_bytes(numel * 4)} as fp32); {synced} synchronized; "
-            f"results equal to baseline: {same}\n"
-            f"median of {runs} runs after {warmup} warm-up (slowest rank per run); "
-            f"host load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
+        report(
+            rounds, [ph for ph in every_rank if ph is not None], peaks,
+            blocks=blocks, runs=runs, warmup=warmup, numel=numel, mem_total=mem_total,
+            n_params=sum(1 for _ in model.parameters()), synced=synced, same=same,
+            collectives=(n_sync, n_base, n_floor),
         )
-        print(f"collectives per call: fsdptx {n_sync}, per-parameter {n_base}, pre-packed {n_limit}\n")
+
+
+def report(
+    rounds: list[dict[str, tuple[float, float, float]]],
+    phases: list[dict[str, float]],
+    peaks: dict[str, int],
+    *,
+    blocks: int,
+    runs: int,
+    warmup: int,
+    numel: int,
+    mem_total: int,
+    n_params: int,
+    synced: int,
+    same: bool,
+    collectives: tuple[int, int, int],
+) -> None:
+    """Print the figures as Markdown tables, targets next to them."""
+    print(
+        f"TP-replica gradient sync, gloo, {WORLD_SIZE} ranks (1 TP group), torch {torch.__version__}\n"
+        f"model: {blocks} blocks x 2 norms ({NORM_DIM}, fp32 + bf16) + final norm + "
+        f"{ROUTERS} sum-marked routers {ROUTER_SHAPE}: {n_params} grads, {numel:,} elements "
+        f"({fmt_bytes(numel * 4)} as fp32); {synced} synchronized; "
+        f"results equal to baseline: {same}\n"
+        f"{len(rounds)} rounds of {runs} interleaved runs after {warmup} warm-up (slowest rank per timing); "
+        f"host load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
+    )
+    n_sync, n_base, n_floor = collectives
+    print(f"collectives per call: fsdptx {n_sync}, per-parameter {n_base}, floor {n_floor}\n")
+    print(
+        "| round | floor (ms) | fsdptx (ms) | per-param (ms) | agreement all-to-all (ms) | "
+        "fsdptx / floor, per run (q1-q3) | per-param / fsdptx, per run (q1-q3) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for i, r in enumerate(rounds, start=1):
+        ratio, speedup = r["ratio"], r["speedup"]
         print(
-            "| run | floor (ms) | fsdptx (ms) | per-param (ms) | fsdptx / floor | per-param / fsdptx |"
-            " metadata all-reduce (ms) |"
+            f"| {i} | {r['floor'][1]:.3f} | {r['fsdptx'][1]:.3f} | {r['per-param'][1]:.1f} | "
+            f"{r['agreement'][1]:.3f} | {ratio[1]:.2f}x ({ratio[0]:.2f}-{ratio[2]:.2f}) | "
+            f"{speedup[1]:.1f}x ({speedup[0]:.1f}-{speedup[2]:.1f}) |"
         )
-        print("|---:|---:|---:|---:|---:|---:|---:|")
-        for i, r in enumerate(rounds, start=1):
-            print(
-                f"| {i} | {r['floor']:.3f} ({r['limit']:.3f} + {r['copy']:.3f}) | {r['sync']:.3f} | "
-                f"{r['base']:.3f} | {r['sync'] / r['floor']:.2f}x | {r['base'] / r['sync']:.1f}x | {r['meta']:.3f} |"
-            )
-        ratios = [r["sync"] / r["floor"] for r in rounds]
-        speedups = [r["base"] / r["sync"] for r in rounds]
-        print(
-            f"\nspread over {len(rounds)} runs: fsdptx / floor {min(ratios):.2f}x..{max(ratios):.2f}x "
-            f"(target <= {TARGET_LIMIT_RATIO}x in every run: {'met' if max(ratios) <= TARGET_LIMIT_RATIO else 'NOT met'}); "
-            f"per-param / fsdptx {min(speedups):.1f}x..{max(speedups):.1f}x "
-            f"(target >= {TARGET_SPEEDUP:.0f}x in every run: {'met' if min(speedups) >= TARGET_SPEEDUP else 'NOT met'})"
-        )
-        print(
-            "floor = one pre-packed fp32 all_reduce + one foreach copy in and one out; fsdptx adds "
-            "its agreement all-reduce (metadata column) and local bookkeeping"
-        )
-        print(
-            f"\nPer-phase breakdown of one fsdptx call (median us over {runs} runs, per rank; "
-            "pack overlaps the agreement all-reduce, 'agree wait' is what is left of it):\n"
-        )
-        print("| rank | " + " | ".join(PHASES) + " |")
-        print("|---:|" + "---:|" * len(PHASES))
-        for r_, ph in enumerate(every_rank):
-            assert ph is not None
-            print(f"| {r_} | " + " | ".join(f"{ph[k]:.0f}" for k in PHASES) + " |")
-        print(
-            f"\nPeak extra CPU memory of synchronize_tp_replica_gradients (torch allocator, "
-            f"profiler memory events; gloo's internal buffers not included), same set plus one "
-            f"{BIG_NUMEL:,}-element fp32 tensor ({fmt_bytes(mem_total)} of grads as fp32):\n"
-        )
-        print("| max_bytes | peak extra memory | target |")
-        print("|---:|---:|---|")
-        print(
-            f"| {fmt_bytes(MEMORY_BUDGET)} | {fmt_bytes(peaks['budget'])} ({peaks['budget']:,} B) | "
-            f"<= {fmt_bytes(MEMORY_BUDGET)} ({MEMORY_BUDGET:,} B) |"
-        )
-        print(
-            f"| {fmt_bytes(fsdptx.DEFAULT_MAX_BUFFER_BYTES)} (default) | {fmt_bytes(peaks['default'])} "
-            f"({peaks['default']:,} B) | (contrast: one buffer for everything) |"
-        )
-        sys.stdout.flush()
+    ratios = [r["ratio"][1] for r in rounds]
+    speedups = [r["speedup"][1] for r in rounds]
+    ratio_met = "met" if max(ratios) <= TARGET_LIMIT_RATIO else "NOT met"
+    speedup_met = "met" if min(speedups) >= TARGET_SPEEDUP else "NOT met"
+    print(
+        f"\nmedians of per-run ratios, spread over {len(rounds)} rounds: "
+        f"fsdptx / floor {min(ratios):.2f}x..{max(ratios):.2f}x "
+        f"(target <= {TARGET_LIMIT_RATIO}x in every round: {ratio_met}); "
+        f"per-param / fsdptx {min(speedups):.1f}x..{max(speedups):.1f}x "
+        f"(target >= {TARGET_SPEEDUP:.0f}x in every round: {speedup_met})"
+    )
+    print(
+        "floor = one pre-packed fp32 all_reduce + one foreach copy in and one out; fsdptx adds "
+        "its agreement all-to-all (timed alone in its column), turning sums into means and local bookkeeping; "
+        "times are medians"
+    )
+    print(
+        f"\nPer-phase breakdown of one fsdptx call (median us over {runs} runs, per rank; "
+        "pack overlaps the agreement all-to-all, 'agree wait' is what is left of it):\n"
+    )
+    print("| rank | " + " | ".join(PHASES) + " |")
+    print("|---:|" + "---:|" * len(PHASES))
+    for r_, ph in enumerate(phases):
+        print(f"| {r_} | " + " | ".join(f"{ph[k]:.0f}" for k in PHASES) + " |")
+    print(
+        f"\nPeak extra CPU memory of synchronize_tp_replica_gradients (torch allocator, "
+        f"profiler memory events; gloo's internal buffers not included), same set plus one "
+        f"{BIG_NUMEL:,}-element fp32 tensor ({fmt_bytes(mem_total)} of grads as fp32):\n"
+    )
+    print("| max_bytes | peak extra memory | target |")
+    print("|---:|---:|---|")
+    print(
+        f"| {fmt_bytes(MEMORY_BUDGET)} | {fmt_bytes(peaks['budget'])} ({peaks['budget']:,} B) | "
+        f"<= {fmt_bytes(MEMORY_BUDGET)} ({MEMORY_BUDGET:,} B) |"
+    )
+    print(
+        f"| {fmt_bytes(fsdptx.DEFAULT_MAX_BUFFER_BYTES)} (default) | {fmt_bytes(peaks['default'])} "
+        f"({peaks['default']:,} B) | (contrast: one buffer for everything) |"
+    )
+    sys.stdout.flush()
 
 
 # --------------------------------------------------------------------------- parent
@@ -457,10 +525,12 @@ def worker(rank: int, world_size: int, runs: int, blocks: int, warmup: int, repe
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=20, help="timed runs per method (median reported)")
+    parser.add_argument("--runs", type=int, default=20, help="interleaved runs per round (median ratio reported)")
     parser.add_argument("--blocks", type=int, default=64, help="transformer blocks (2 norm weights each)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")
-    parser.add_argument("--repeats", type=int, default=3, help="consecutive measurement rounds (spread reported)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="consecutive rounds of interleaved runs (spread reported)"
+    )
     args = parser.parse_args(argv)
     if args.runs < 1 or args.blocks < 1 or args.warmup < 0 or args.repeats < 1:
         parser.error("--runs, --blocks and --repeats must be >= 1, --warmup >= 0")

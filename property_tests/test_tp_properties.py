@@ -179,7 +179,7 @@ def test_collective_sequence_is_identical_on_every_rank_whatever_the_registratio
     parameters and buffers in a different order; and the returned counts agree."""
     runs = [_run_rank(sc, r) for r in range(WORLD)]
     reference = [(c.op, c.shapes, c.dtypes) for c in runs[0].calls]
-    assert reference, "the metadata all-reduce is always issued"
+    assert reference, "the agreement all-to-all is always issued"
     for rank, run in enumerate(runs):
         assert [(c.op, c.shapes, c.dtypes) for c in run.calls] == reference, f"rank {rank}"
         assert {c.group for c in run.calls} == {_tp_group(rank)}, f"rank {rank}"

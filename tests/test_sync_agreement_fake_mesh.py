@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -213,6 +215,69 @@ def test_moving_a_parameter_to_a_sibling_invalidates_the_cache(mesh: DeviceMesh)
     assert torch.equal(w.grad, torch.full((3,), 2.0))
 
 
+def _layout_of(model: nn.Module) -> Any:
+    return model.__dict__["_fsdptx_tp_layouts"]["sync"]
+
+
+def test_renaming_a_parameter_invalidates_the_cache(mesh: DeviceMesh) -> None:
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    layout = _layout_of(model)
+    w = model.b.weight
+    del model.b.weight
+    model.b.renamed = w
+    w.grad = torch.ones_like(w) * 4
+    synchronize_tp_replica_gradients(model, mesh)
+    assert _layout_of(model) is not layout
+    assert [e.fqn for e in _layout_of(model).entries] == ["a.bias", "a.weight", "b.renamed"]
+
+
+def test_an_empty_parameter_slot_traded_for_a_new_parameter_invalidates_the_cache(mesh: DeviceMesh) -> None:
+    """``b.bias`` is registered as None; dropping that slot while adding a
+    parameter elsewhere keeps the number of slots but changes the set."""
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    del model.b.bias
+    model.a.extra = nn.Parameter(torch.zeros(3))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    assert synchronize_tp_replica_gradients(model, mesh) == 4
+    assert torch.equal(model.a.extra.grad, torch.full((3,), 2.0))
+
+
+def test_filling_an_empty_parameter_slot_invalidates_the_cache(mesh: DeviceMesh) -> None:
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    model.b.bias = nn.Parameter(torch.zeros(2))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    assert synchronize_tp_replica_gradients(model, mesh) == 4
+    assert torch.equal(model.b.bias.grad, torch.full((2,), 2.0))
+
+
+def test_replacing_a_modules_parameter_dict_invalidates_the_cache(mesh: DeviceMesh) -> None:
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    layout = _layout_of(model)
+    model.b.__dict__["_parameters"] = dict(model.b._parameters)
+    synchronize_tp_replica_gradients(model, mesh)
+    assert _layout_of(model) is not layout
+    model.b._parameters["extra"] = nn.Parameter(torch.zeros(5))  # a change in the new dict is seen
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    assert synchronize_tp_replica_gradients(model, mesh) == 4
+
+
+def test_an_unchanged_model_keeps_its_cached_layout(mesh: DeviceMesh) -> None:
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    layout = _layout_of(model)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    synchronize_tp_replica_gradients(model, mesh)
+    assert _layout_of(model) is layout
+
+
 def test_buffers_shape_the_broadcast_cache_but_not_the_sync_cache(mesh: DeviceMesh) -> None:
     model = _model()
     synchronize_tp_replica_gradients(model, mesh)
@@ -225,6 +290,98 @@ def test_buffers_shape_the_broadcast_cache_but_not_the_sync_cache(mesh: DeviceMe
     synchronize_tp_replica_gradients(model, mesh)
     assert model.__dict__["_fsdptx_tp_layouts"]["sync"] is sync_layout
     assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
+
+
+def test_the_remembered_tp_context_keeps_neither_mesh_nor_group_alive() -> None:
+    """A process group kept alive by a model's cache past its destruction
+    aborts the process at interpreter exit."""
+    import gc
+
+    model = _model()
+    with fake_mesh((2,), ("tp",)) as m:
+        for _ in range(3):
+            synchronize_tp_replica_gradients(model, m)
+        remembered = model.__dict__["_fsdptx_tp_layouts"].context
+        assert remembered.mesh() is m and remembered.group() is m.get_group()
+    del m
+    gc.collect()
+    assert remembered.mesh() is None and remembered.group() is None
+
+
+# ------------------------------------------- where the agreement's values live
+
+
+@pytest.fixture
+def storages(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """(collective, storage address of its first tensor) for every
+    all-to-all (the agreement) and all-reduce (the data), in issue order.
+    The tensors are kept alive, so no later allocation can reuse an
+    address and make two storages look like one."""
+    seen: list[tuple[str, int]] = []
+    kept: list[torch.Tensor] = []
+    for name in ("all_to_all_single", "all_reduce"):
+        real = getattr(dist, name)
+
+        def spy(tensor: torch.Tensor, *args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            kept.append(tensor)
+            seen.append((_name, tensor.untyped_storage().data_ptr()))
+            return _real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, name, spy)
+    return seen
+
+
+def _buffer_address(model: nn.Module, op: str = "sync") -> int:
+    plan = model.__dict__["_fsdptx_tp_layouts"][op].plan
+    return int(plan.storages[torch.device("cpu")].data_ptr())
+
+
+def _linear_with_grads(size: int) -> nn.Module:
+    model = nn.Linear(size, size)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    return model
+
+
+def test_the_call_that_makes_the_buffer_agrees_in_its_head(
+    mesh: DeviceMesh, storages: list[tuple[str, int]]
+) -> None:
+    """Nothing else is allocated next to the buffer: a separate agreement
+    tensor, even one freed before the buffer is made, can be kept a little
+    longer by the process group's worker thread, and the peak would exceed
+    ``max_bytes``."""
+    model = _linear_with_grads(8)  # 72 fp32 elements: more than the agreement's 2 * 2 * 4 int64
+    synchronize_tp_replica_gradients(model, mesh)
+    buffer = _buffer_address(model)
+    assert storages == [("all_to_all_single", buffer), ("all_reduce", buffer)]
+
+
+def test_a_repeated_call_agrees_in_a_tensor_of_its_own(mesh: DeviceMesh, storages: list[tuple[str, int]]) -> None:
+    """Its pack writes the buffer while the agreement is in flight."""
+    model = _linear_with_grads(8)
+    synchronize_tp_replica_gradients(model, mesh)
+    del storages[:]
+    synchronize_tp_replica_gradients(model, mesh)
+    (_, agreement), (_, data) = storages
+    assert data == _buffer_address(model) != agreement
+
+
+def test_a_buffer_smaller_than_the_agreement_is_made_after_it(
+    mesh: DeviceMesh, storages: list[tuple[str, int]]
+) -> None:
+    model = _linear_with_grads(2)  # 6 fp32 elements and the divisor: 28 bytes
+    synchronize_tp_replica_gradients(model, mesh)
+    (_, agreement), (_, data) = storages
+    assert data == _buffer_address(model) != agreement
+    assert torch.equal(model.weight.grad, torch.full((2, 2), 0.5))
+
+
+def test_broadcast_agrees_in_the_head_of_the_buffer_it_makes(
+    mesh: DeviceMesh, storages: list[tuple[str, int]]
+) -> None:
+    model = _linear_with_grads(8)
+    broadcast_tp_replicas(model, mesh)
+    assert storages == [("all_to_all_single", _buffer_address(model, "broadcast"))]
 
 
 @pytest.mark.parametrize("change", ["none", "sparse", "dtype", "shape", "type"])
@@ -243,7 +400,7 @@ def test_fast_gradient_check_agrees_with_the_per_entry_loop(mesh: DeviceMesh, ch
         model.b.weight.data = torch.zeros_like(grads[change])
     model.b.weight.grad = grads[change]
     fast = _replicas._common_grads(layout)
-    states, got, deviations, sparse = _replicas._grad_states(layout, _replicas._tp_context(mesh, "tp"))
+    states, got, deviations, sparse = _replicas._grad_states(layout, _replicas._tp_context(mesh, "tp", None))
     if fast is not None:
         assert change == "none"
         assert all(a is b for a, b in zip(fast, got)) and not deviations and not sparse

@@ -86,8 +86,14 @@ def _float_reductions(calls: list[Collective]) -> list[Collective]:
 
 
 def _is_agreement(call: Collective) -> bool:
-    """The small int64 all-reduce every sync and broadcast starts with."""
-    return call.op == "allreduce_" and call.dtypes == (torch.int64,) and call.shapes[0][0] <= 16
+    """The small int64 all-to-all every sync and broadcast starts with: four
+    values to and from each rank."""
+    size = 4 * len(call.group)
+    return (
+        call.op == "alltoall_base_"
+        and call.dtypes == (torch.int64, torch.int64)
+        and call.shapes == ((size,), (size,))
+    )
 
 
 class _Owner(nn.Module):
@@ -217,6 +223,31 @@ def test_sync_with_other_axis_name_uses_that_axis(dp_tp_mesh: DeviceMesh) -> Non
     assert calls and {c.group for c in calls} == {(1, 3)}
 
 
+def test_each_call_reduces_over_the_axis_it_names(dp_tp_mesh: DeviceMesh) -> None:
+    """The model remembers its last TP context; naming another axis (or
+    passing another mesh) is not answered from that memory."""
+    model = _Owner()
+    groups = []
+    for axis in ("tp", "tp", "tp", "dp", "tp"):
+        _set_grads(model, _known_grad)
+        with record_collectives() as calls:
+            synchronize_tp_replica_gradients(model, dp_tp_mesh, tp_axis_name=axis)
+        groups.append({c.group for c in calls})
+    assert groups == [{(0, 1)}] * 3 + [{(1, 3)}, {(0, 1)}]
+
+
+def test_a_call_with_another_mesh_reduces_over_that_mesh(dp_tp_mesh: DeviceMesh) -> None:
+    model = _Owner()
+    for _ in range(3):
+        _set_grads(model, _known_grad)
+        synchronize_tp_replica_gradients(model, dp_tp_mesh)
+    transposed = DeviceMesh("cpu", torch.arange(4).reshape(2, 2).T, mesh_dim_names=("dp", "tp"))
+    _set_grads(model, _known_grad)
+    with record_collectives() as calls:
+        synchronize_tp_replica_gradients(model, transposed)
+    assert {c.group for c in calls} == {(1, 3)}
+
+
 # ----------------------------------------------------------- the mean/sum path
 
 
@@ -237,6 +268,43 @@ def test_mean_gradient_is_divided_by_four_on_tp4_fake_group() -> None:
         synchronize_tp_replica_gradients(model, mesh)
     for fqn, p in model.named_parameters():
         assert torch.equal(p.grad, before[fqn] / 4), fqn
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so -0.0, NaN and subnormals compare exactly."""
+    return t.view({torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
+
+
+# Values where scaling by a reciprocal could differ from dividing: random
+# mantissas, subnormals, the extremes, signed zeros, infinities and NaN.
+def _awkward(dtype: torch.dtype) -> torch.Tensor:
+    info = torch.finfo(dtype)
+    special = [info.tiny / 3, -info.tiny / 5, info.tiny, info.max, -info.max, 0.0, -0.0, float("inf"),
+               float("-inf"), float("nan")]
+    random = torch.randn(4000, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 1e3
+    return torch.cat([torch.tensor(special, dtype=torch.float64), random]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_mean_over_a_power_of_two_is_the_quotient_bit_for_bit(tp: int, dtype: torch.dtype) -> None:
+    p = nn.Parameter(torch.zeros(4010, dtype=dtype))
+    p.grad = _awkward(dtype)
+    want = p.grad / tp
+    with fake_mesh((tp,), ("tp",)) as mesh:
+        synchronize_tp_replica_gradients(nn.ParameterList([p]), mesh)
+    assert torch.equal(_bits(p.grad), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mean_over_three_ranks_is_the_quotient_not_a_reciprocal_product(dtype: torch.dtype) -> None:
+    p = nn.Parameter(torch.zeros(4010, dtype=dtype))
+    p.grad = _awkward(dtype)
+    want = p.grad / 3
+    assert not torch.equal(_bits(p.grad * (1 / 3)), _bits(want))  # the data tells the two apart
+    with fake_mesh((3,), ("tp",)) as mesh:
+        synchronize_tp_replica_gradients(nn.ParameterList([p]), mesh)
+    assert torch.equal(_bits(p.grad), _bits(want))
 
 
 def test_sum_marked_gradient_is_not_divided_on_fake_group(dp_tp_mesh: DeviceMesh) -> None:
@@ -439,15 +507,14 @@ def test_float_reductions_are_fewer_than_parameters(dp_tp_mesh: DeviceMesh) -> N
     assert 1 < len(_float_reductions(calls)) < len(list(model.parameters()))
 
 
-def test_one_small_int64_all_reduce_precedes_the_float_reductions(dp_tp_mesh: DeviceMesh) -> None:
+def test_one_small_int64_all_to_all_precedes_the_float_reductions(dp_tp_mesh: DeviceMesh) -> None:
     model = _many_param_model()
     _set_grads(model, _known_grad)
     with record_collectives() as calls:
         synchronize_tp_replica_gradients(model, dp_tp_mesh, max_bytes=200)
-    ints = [i for i, c in enumerate(calls) if c.dtypes == (torch.int64,)]
+    ints = [i for i, c in enumerate(calls) if torch.int64 in c.dtypes]
     assert ints == [0]
-    assert calls[0].op == "allreduce_" and calls[0].group == (0, 1)
-    assert calls[0].shapes[0][0] <= 16
+    assert _is_agreement(calls[0]) and calls[0].group == (0, 1)
     assert len(calls) == 1 + len(_float_reductions(calls))
 
 
