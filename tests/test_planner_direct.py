@@ -512,3 +512,11 @@ def test_an_index_that_does_not_enter_sharded_modules_still_lists_their_classes(
     fsdptx.fully_shard_by_dtype(model.layers[0], None, None, None, shard_module=mark_sharded)  # type: ignore[arg-type]
     index = ModelIndex.build(model, enter_sharded=False)
     assert index.module_types == [type(m) for m in index.modules.values()]
+
+
+def test_has_param_answers_exactly_for_the_canonical_names() -> None:
+    model = make_decoder()
+    model.layers[1].attn.q.weight = model.layers[0].attn.q.weight  # tied: one canonical name
+    index = ModelIndex.build(model)
+    names = {f for f, _ in model.named_parameters(remove_duplicate=False)} | {"layers.0.nope.weight", "nope"}
+    assert {f for f in names if index.has_param(f)} == set(index.params)

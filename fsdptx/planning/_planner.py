@@ -99,8 +99,7 @@ class ModelIndex:
             fqns[i] = f"{up}.{names[i]}" if up else names[i]
         index.modules = dict(zip(fqns, modules))
         index.module_fqns = fqns
-        # Signature entries are (id, class, ...) per first visit, a bare id per repeat.
-        types = index.module_types = [sig[1] for sig in walk.module_signature if type(sig) is tuple]
+        types = index.module_types = walk.types
         fsdp = {t for t in set(types) if issubclass(t, FSDPModule)}
         if fsdp:
             index.sharded = {id(m) for m, t in zip(modules, types) if t in fsdp}
@@ -176,9 +175,9 @@ class ModelIndex:
         hint, requires_grad), read once for all of planning; dtype and
         ``requires_grad`` as the walk's signature recorded them."""
         facts = {}
-        signature = self.walk.param_signature
+        read = self.walk.facts
         for p, slot in zip(self.param_objects, self.first_slots):
-            _id, dtype, grad, _ndim = signature[slot]
+            dtype, grad, _ndim = read[slot]
             n = p.numel()
             facts[id(p)] = (dtype, n, n * dtype.itemsize, getattr(p, "_hf_compute_dtype", None), grad)
         return facts
@@ -198,6 +197,12 @@ class ModelIndex:
         touch memory a large model has long evicted from the CPU caches."""
         at = self.walk.position[id(self.modules[fqn])]
         return self.slot_fqn[self.slot_start[at] : self.slot_start[at + 1]]
+
+    def has_param(self, fqn: str) -> bool:
+        """Whether ``fqn`` is the canonical name of a parameter (a key of
+        :attr:`params`), answered from the slots of its module alone."""
+        module_fqn = fqn.rpartition(".")[0]
+        return module_fqn in self.modules and fqn in self.direct_param_fqns(module_fqn)
 
     @property
     def tied(self) -> bool:

@@ -2,24 +2,28 @@
 
 Planning needs FQN tables; ``apply_plan`` needs to know whether the model is
 still the one a plan was made from. Both come from the same pre-order walk,
-and the walk also yields a *signature*: every module's identity, class,
-parameter and child names, and every parameter's identity, dtype,
-``requires_grad`` and rank. Two walks with equal signatures saw the same
-tree holding the same parameters in the same state, so every claim the
-planner derived from the first still holds for the second. A Plan therefore
-carries the signature of the model its units were resolved against
-(:class:`Vouched`), and applying it costs one walk and a list comparison
-instead of re-deriving each unit's claims. Anything that differs (a cast, a
-frozen or replaced parameter, a module swapped or sharded, a hand-edited
-unit) sends ``check_plan`` down the full check, so no error is weakened.
+and the walk also yields a *signature*: the tree's shape (each module's
+parent and attribute name, and every further parent of a shared module),
+each module's identity and class, each parameter slot's module and name, and
+each parameter's identity, dtype, ``requires_grad`` and rank. Two walks with
+equal signatures saw the same tree holding the same parameters in the same
+state, so every claim the planner derived from the first still holds for the
+second. A Plan therefore carries the signature of the model its units were
+resolved against (:class:`Vouched`), and applying it costs one walk and a
+list comparison instead of re-deriving each unit's claims. Anything that
+differs (a cast, a frozen or replaced parameter, a module swapped or
+sharded, a hand-edited unit) sends ``check_plan`` down the full check, so no
+error is weakened.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,11 +35,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelWalk", "Vouched", "vouch", "vouched_modules", "walk_model"]
 
-# Per module visit: (id, class, parameter names, child names); a module met
-# again through a second parent: its id alone.
-ModuleSignature = list[object]
-# Per parameter slot: (id, dtype, requires_grad, ndim).
-ParamSignature = list[tuple[int, torch.dtype, bool, int]]
+# What a walk reads from each parameter: (dtype, requires_grad, ndim).
+ParamFacts = tuple[torch.dtype, bool, int]
+_FACTS = operator.attrgetter("dtype", "requires_grad", "ndim")
+_NDIM = operator.itemgetter(2)
+Signature = tuple[list[Any], ...]  # lists of ids, classes, positions, names, facts
 
 
 @dataclass(frozen=True)
@@ -43,22 +47,55 @@ class ModelWalk:
     """A pre-order walk of a model, first visits only (as ``named_modules``).
 
     ``parents``/``names`` give each module's parent position and attribute
-    name, so FQNs follow without touching a module again. Parameter slots
-    (``owners``, ``slot_names``, ``params``) list every non-``None`` direct
-    parameter of every visited module; a tied parameter fills several.
+    name, so FQNs follow without touching a module again; ``repeats`` lists
+    every further registration of a shared module (parent position, name,
+    position). Parameter slots (``owners``, ``slot_names``, ``params``) list
+    every non-``None`` direct parameter of every visited module; a tied
+    parameter fills several. ``None`` entries in a module's tables hold
+    nothing ``fully_shard`` could claim and are not recorded.
     """
 
     modules: list[nn.Module]
     parents: list[int]
     names: list[str]
+    repeats: list[tuple[int, str, int]]
     owners: list[int]
     slot_names: list[str]
     params: list[nn.Parameter]
-    module_signature: ModuleSignature
-    param_signature: ParamSignature
-    shared_modules: bool
     position: dict[int, int]  # module id -> position in ``modules``
     complete: bool  # False: FSDP modules were not entered, the signature vouches for nothing
+
+    @property
+    def shared_modules(self) -> bool:
+        """Whether some module is registered under two parents."""
+        return bool(self.repeats)
+
+    @functools.cached_property
+    def types(self) -> list[type]:
+        """Each module's class (``fully_shard`` swaps it in place)."""
+        return list(map(type, self.modules))
+
+    @functools.cached_property
+    def facts(self) -> list[ParamFacts]:
+        """Per slot, what the walk read from its parameter, all at once."""
+        return list(map(_FACTS, self.params))
+
+    @functools.cached_property
+    def signature(self) -> Signature:
+        """Everything two walks must share for claims derived from one to
+        hold for the other. Identities are kept as ids, never objects, so a
+        Plan does not keep its model alive."""
+        return (
+            list(map(id, self.modules)),
+            self.types,
+            self.parents,
+            self.names,
+            self.repeats,
+            self.owners,
+            self.slot_names,
+            list(map(id, self.params)),
+            self.facts,
+        )
 
 
 def walk_model(root: nn.Module, *, enter_sharded: bool = True) -> ModelWalk:
@@ -68,60 +105,46 @@ def walk_model(root: nn.Module, *, enter_sharded: bool = True) -> ModelWalk:
     what it holds: ``fully_shard`` stops there too, so planning one call of
     the imperative API after its blocks were sharded needs nothing inside
     them. Such a partial walk's signature vouches for nothing.
+
+    The loop only collects objects and names; the per-object reads of the
+    signature are C-level maps over the collected lists, done when needed.
     """
     modules: list[nn.Module] = []
     parents: list[int] = []
     names: list[str] = []
+    repeats: list[tuple[int, str, int]] = []
     owners: list[int] = []
     slot_names: list[str] = []
     params: list[nn.Parameter] = []
-    module_signature: ModuleSignature = []
-    param_signature: ParamSignature = []
     position: dict[int, int] = {}
-    shared = False
     stack: list[tuple[nn.Module, int, str]] = [(root, -1, "")]
-    pop, push, sign, sign_param = stack.pop, stack.append, module_signature.append, param_signature.append
+    pop, push = stack.pop, stack.append
     while stack:
         module, up, name = pop()
         mid = id(module)
         if mid in position:
-            sign(mid)  # first path wins, as named_modules; the repeat still counts
-            shared = True
+            repeats.append((up, name, position[mid]))  # first path wins, as named_modules
             continue
         here = len(modules)
         position[mid] = here
         modules.append(module)
         parents.append(up)
         names.append(name)
-        direct = module._parameters
-        children = module._modules
-        sign((mid, type(module), tuple(direct), tuple(children)))
         if not enter_sharded and up >= 0 and isinstance(module, FSDPModule):
             continue
+        direct = module._parameters
         if direct:
             for pname, p in direct.items():
                 if p is not None:
                     owners.append(here)
                     slot_names.append(pname)
                     params.append(p)
-                    sign_param((id(p), p.dtype, p.requires_grad, p.ndim))
+        children = module._modules
         if children:
             for cname, child in reversed(children.items()):
                 if child is not None:
                     push((child, here, cname))
-    return ModelWalk(
-        modules,
-        parents,
-        names,
-        owners,
-        slot_names,
-        params,
-        module_signature,
-        param_signature,
-        shared,
-        position,
-        enter_sharded,
-    )
+    return ModelWalk(modules, parents, names, repeats, owners, slot_names, params, position, enter_sharded)
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,8 +154,7 @@ class Vouched:
     order, at ``positions``. ``reductions``/``exclusions`` (these very
     objects) were checked against the same model, or are ``None``."""
 
-    module_signature: ModuleSignature
-    param_signature: ParamSignature
+    signature: Signature
     units: tuple[Unit, ...]
     positions: tuple[tuple[int, ...], ...]
     reductions: Mapping[str, Reduction] | None = None
@@ -143,12 +165,12 @@ def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
     """Vouch for ``units``, just resolved from ``index``; ``None`` (no
     vouching: the full check runs) when the index did not see the whole
     model, or some parameter is a scalar, which only the full check names."""
-    if not index.walk.complete or any(sig[3] == 0 for sig in index.walk.param_signature):
+    walk = index.walk
+    if not walk.complete or 0 in map(_NDIM, walk.facts):
         return None
-    position, modules = index.walk.position, index.modules
+    position, modules = walk.position, index.modules
     return Vouched(
-        index.walk.module_signature,
-        index.walk.param_signature,
+        walk.signature,
         units,
         tuple(tuple(position[id(modules[f])] for f in u.modules) for u in units),
     )
@@ -160,9 +182,7 @@ def vouch_marks(index: ModelIndex, plan: Plan) -> object:
     vouched = plan.verified
     if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
         return vouched
-    named = (not plan.reductions or all(f in index.params for f in plan.reductions)) and all(
-        f in index.modules for f in plan.exclusions
-    )
+    named = all(map(index.has_param, plan.reductions)) and all(f in index.modules for f in plan.exclusions)
     return dataclasses.replace(vouched, reductions=plan.reductions, exclusions=plan.exclusions) if named else vouched
 
 
@@ -177,7 +197,7 @@ def vouched_modules(plan: Plan, model: nn.Module) -> list[list[nn.Module]] | Non
     if plan.exclusions and vouched.exclusions is not plan.exclusions:
         return None
     walk = walk_model(model)
-    if walk.module_signature != vouched.module_signature or walk.param_signature != vouched.param_signature:
+    if walk.signature != vouched.signature:
         return None
     found = walk.modules
     return [[found[i] for i in at] for at in vouched.positions]
