@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from .._dtypes import is_pinned, resolve_compute_dtype
+from .._dtypes import resolve_compute_dtype, token_search
 from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind
 from .._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
 from .._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
@@ -397,14 +397,14 @@ def param_keys(
     parameters get no key: FSDP2 never casts them and they cannot be
     trainable, so they constrain no unit and join whichever claims them.
     """
-    tokens = tuple(fp32_tokens)
+    search = token_search(tuple(fp32_tokens))
     cache: dict[tuple[torch.dtype, bool, object], DtypeKey | None] = {}
     keys: dict[int, DtypeKey] = {}
     frozen: set[int] = set()
     aliases, param_fqn = index.aliases, index.param_fqn
     for pid, (dtype, _n, _b, hint, grad) in index.param_facts.items():
-        pinned = bool(tokens) and is_pinned(
-            [param_fqn[pid], *aliases[pid]] if pid in aliases else (param_fqn[pid],), tokens
+        pinned = search is not None and (
+            search(param_fqn[pid]) is not None or (pid in aliases and any(map(search, aliases[pid])))
         )
         fact = (dtype, pinned, hint)
         try:
