@@ -27,8 +27,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdptx
-from fsdptx import Plan, PlanningError
+from fsdptx import Plan, PlanningError, Unit
 from fsdptx.planning._apply import _check_in_full
+from fsdptx.planning._plan import DtypeRequest
+from fsdptx.planning._planner import resolve_units
 from fsdptx.planning._snapshot import vouched_modules
 from fsdptx.testing import fake_mesh
 from fsdptx.testing.strategies import ModuleSpec, TreeSpec, build_module, tree_specs
@@ -380,3 +382,49 @@ def test_planning_vouches_only_for_what_the_full_check_accepts(
     assert vouched is not None
     full = _check_in_full(p, model)
     assert [[id(m) for m in ms] for ms in vouched] == [[id(m) for m in ms] for ms in full]
+
+
+@st.composite
+def repeated_blocks(draw: st.DrawFn) -> tuple[nn.Module, list[str]]:
+    """A root with 2-5 blocks built from one or two random specs, with some
+    parameters frozen at random: blocks alike and blocks that differ."""
+    specs = [draw(tree_specs(max_ties=0)).root for _ in range(draw(st.integers(1, 2)))]
+    root = nn.Module()
+    blocks = nn.ModuleList(build_module(TreeSpec(draw(st.sampled_from(specs)))) for _ in range(draw(st.integers(2, 5))))
+    root.add_module("blocks", blocks)
+    params = [p for _f, p in root.named_parameters()]
+    for p in params:
+        if draw(st.integers(0, 11)) == 0:
+            p.requires_grad_(False)
+    return root, [f"blocks.{i}" for i in range(len(blocks))]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_and_blocks=repeated_blocks(), mp_policy=policies, tokens=fp32_tokens, data=st.data())
+def test_replayed_blocks_get_the_units_full_planning_gives(
+    model_and_blocks: tuple[nn.Module, list[str]],
+    mp_policy: MixedPrecisionPolicy | None,
+    tokens: tuple[str, ...],
+    data: st.DataObject,
+) -> None:
+    """Invariant: replaying the units of a block planned before onto a block
+    built alike yields exactly the units (order, names, dtypes, policies,
+    sizes, ignored parameters) that planning every block in full yields, or
+    the same error."""
+    model, blocks = model_and_blocks
+    names = [f for f, _ in model.named_parameters()]
+    ignored = tuple(data.draw(st.lists(st.sampled_from(names), max_size=1, unique=True))) if names else ()
+    request = DtypeRequest(
+        targets=tuple(blocks), fp32_compute_module_names=tokens, ignored_params=ignored, reshard_after_forward=None
+    )
+
+    def resolve(replay: bool) -> tuple[Unit, ...] | str:
+        try:
+            return resolve_units(
+                model, mp_policy=mp_policy, offload_policy=None, cross_blocks=(), dtype_request=request,
+                replay_blocks=replay,
+            )
+        except PlanningError as e:
+            return str(e)
+
+    assert resolve(True) == resolve(False)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
+from fsdptx.planning import _planner as planner
 from fsdptx.planning._planner import ModelIndex
 from fsdptx.testing import fake_mesh, mark_sharded
 
@@ -520,3 +521,64 @@ def test_has_param_answers_exactly_for_the_canonical_names() -> None:
     index = ModelIndex.build(model)
     names = {f for f, _ in model.named_parameters(remove_duplicate=False)} | {"layers.0.nope.weight", "nope"}
     assert {f for f in names if index.has_param(f)} == set(index.params)
+
+
+# --------------------------------------------------------------------------- block replay
+
+REPLAY_PIPELINE = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
+REPLAY_POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+
+
+def _replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The walk positions of the blocks planning replays from here on."""
+    seen: list[int] = []
+    original = planner._BlockReplay.replay
+
+    def counting(self: planner._BlockReplay, shapes: Any, top: int) -> None:
+        seen.append(top)
+        original(self, shapes, top)
+
+    monkeypatch.setattr(planner._BlockReplay, "replay", counting)
+    return seen
+
+
+def _units_in_full(model: nn.Module) -> tuple[Unit, ...]:
+    """The plan's units with every block planned in full."""
+    p = fsdptx.plan(model, REPLAY_PIPELINE, mp_policy=REPLAY_POLICY)
+    assert p.dtype_request is not None
+    return planner.resolve_units(
+        model,
+        mp_policy=REPLAY_POLICY,
+        offload_policy=None,
+        cross_blocks=p.cross_block_requests,
+        dtype_request=p.dtype_request,
+        replay_blocks=False,
+    )
+
+
+def test_blocks_built_alike_are_replayed_from_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_decoder(4)
+    replayed = _replays(monkeypatch)
+    p = fsdptx.plan(model, REPLAY_PIPELINE, mp_policy=REPLAY_POLICY)
+    assert len(replayed) == 3
+    assert p.units == _units_in_full(model)
+
+
+def test_a_block_with_a_frozen_parameter_is_planned_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_decoder(3)
+    model.layers[1].gate.proj.weight.requires_grad_(False)
+    replayed = _replays(monkeypatch)
+    p = fsdptx.plan(model, REPLAY_PIPELINE, mp_policy=REPLAY_POLICY)
+    index = ModelIndex.build(model)
+    assert replayed == [index.walk.position[id(model.layers[2])]]
+    assert p.units == _units_in_full(model)
+
+
+def test_a_block_holding_a_tied_parameter_is_planned_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_decoder(3)
+    model.layers[2].mlp.up.weight = model.layers[2].mlp.down.weight
+    replayed = _replays(monkeypatch)
+    p = fsdptx.plan(model, REPLAY_PIPELINE, mp_policy=REPLAY_POLICY)
+    index = ModelIndex.build(model)
+    assert replayed == [index.walk.position[id(model.layers[1])]]
+    assert p.units == _units_in_full(model)
