@@ -907,9 +907,11 @@ class _BlockReplay:
 
 def plan_dtype_units(r: _Resolver, request: DtypeRequest, *, replay_blocks: bool = True) -> None:
     """Plan every dtype target of ``request``; blocks built alike are
-    replayed (:class:`_BlockReplay`) unless ``replay_blocks`` is off."""
+    replayed (:class:`_BlockReplay`) unless ``replay_blocks`` is off. A
+    single target (one call of the imperative API) has nothing to replay
+    from, so it skips recording shapes."""
     index = r.index
-    replay = _BlockReplay(r) if replay_blocks else None
+    replay = _BlockReplay(r) if replay_blocks and len(request.targets) > 1 else None
     for fqn in request.targets:
         target = index.module(fqn, "shard_by_dtype target")
         if id(target) in index.sharded:
