@@ -18,4 +18,9 @@ def mark_sharded(target: nn.Module | list[nn.Module], **kwargs: object) -> None:
     del kwargs
     for m in target if isinstance(target, list) else [target]:
         cls = type(m)
-        m.__class__ = _SHARDED_CLASSES.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
+        sharded = _SHARDED_CLASSES.get(cls)
+        if sharded is None:
+            sharded = _SHARDED_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        # object's own setattr: nn.Module.__setattr__ would first search the
+        # module's parameter, buffer and child tables for "__class__".
+        object.__setattr__(m, "__class__", sharded)
