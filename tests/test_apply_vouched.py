@@ -9,6 +9,7 @@ full path, which names the problem as before.
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 
 import pytest
@@ -175,3 +176,71 @@ def test_vouching_is_not_part_of_the_plans_value() -> None:
     model = make_decoder()
     p = fsdptx.plan(model, PIPELINE)
     assert p == p.replace(verified=None) and "verified" not in repr(p)
+
+
+class DeclaredTie(nn.Module):
+    """A head tied to the embedding; the head's name sorts first, but the
+    declared source is the embedding, so the declaration names the tie."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tied_weights_keys = {"a_head.weight": "embed.weight"}
+        self.embed = nn.Embedding(4, 2, dtype=BF16)
+        self.a_head = nn.Linear(2, 4, bias=False, dtype=BF16)
+        self.a_head.weight = self.embed.weight
+
+
+def test_dropping_a_tie_declaration_after_planning_is_checked_in_full_and_refused() -> None:
+    model = DeclaredTie()
+    p = fsdptx.plan(model, fsdptx.shard_by_dtype)
+    assert p.units[-1].params == ("embed.weight",)
+    model._tied_weights_keys = None  # type: ignore[assignment]
+    with pytest.raises(PlanMismatchError, match=r"would also claim \['a_head.weight'\]"):
+        apply(p, model)
+
+
+def test_reversing_a_tie_declaration_after_marking_is_checked_in_full_and_refused() -> None:
+    model = DeclaredTie()
+    mark = functools.partial(fsdptx.mark_reduction, reductions={"embed": "sum"})
+    p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, mark))
+    assert dict(p.reductions) == {"embed.weight": "sum"}
+    model._tied_weights_keys = {"embed.weight": "a_head.weight"}  # type: ignore[assignment]
+    with pytest.raises(PlanMismatchError, match="'embed.weight', which the model lacks"):
+        apply(p, model)
+
+
+def test_an_unchanged_tie_declaration_keeps_the_vouching(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = DeclaredTie()
+    p = fsdptx.plan(model, fsdptx.shard_by_dtype)
+    full = FullChecks(monkeypatch)
+    apply(p, model)
+    assert full.count == 0
+
+
+class ComplexBeside(nn.Module):
+    """A complex parameter beside bf16 ones: the planner groups only
+    floating parameters by dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=BF16)
+        self.rot = nn.Module()
+        self.rot.freqs = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+
+def test_a_trainable_complex_parameter_beside_bf16_ones_is_refused_before_any_call() -> None:
+    model = ComplexBeside()
+    p = fsdptx.plan(model, fsdptx.shard_by_dtype)
+    calls: list[object] = []
+    with pytest.raises(PlanMismatchError, match=r"mixes storage dtypes .*rot.freqs: complex64"):
+        fsdptx.apply_plan(p, model, MESH, shard_module=lambda t, **kw: calls.append(t))  # type: ignore[arg-type]
+    assert calls == []
+
+
+def test_a_frozen_complex_parameter_keeps_the_vouching(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ComplexBeside()
+    model.rot.freqs.requires_grad_(False)
+    p = fsdptx.plan(model, fsdptx.shard_by_dtype)
+    full = FullChecks(monkeypatch)
+    apply(p, model)
+    assert full.count == 0

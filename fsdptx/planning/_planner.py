@@ -20,7 +20,7 @@ from .._dtypes import resolve_compute_dtype, token_search
 from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind
 from .._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
 from .._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
-from ._snapshot import ModelWalk, walk_model
+from ._snapshot import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
 
 __all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_units"]
 
@@ -150,8 +150,8 @@ class ModelIndex:
         targets: set[str] = set()
         for fqn, module in self.modules.items():
             prefix = fqn + "." if fqn else ""
-            for attr in ("_tied_weights_keys", "all_tied_weights_keys"):
-                declared = getattr(module, attr, None)
+            for attr in TIE_ATTRIBUTES:
+                declared = declared_ties(module, attr)
                 if isinstance(declared, dict):
                     sources.update(
                         (prefix + t, prefix + s) for t, s in declared.items() if isinstance(t, str) and isinstance(s, str)

@@ -5,7 +5,8 @@ still the one a plan was made from. Both come from the same pre-order walk,
 and the walk also yields a *signature*: the tree's shape (each module's
 parent and attribute name, and every further parent of a shared module),
 each module's identity and class, each parameter slot's module and name, and
-each parameter's identity, dtype, ``requires_grad`` and rank. Two walks with
+each parameter's identity, dtype, ``requires_grad`` and rank, and, in a
+model with tied parameters, the tie declarations that name them. Two walks with
 equal signatures saw the same tree holding the same parameters in the same
 state, so every claim the planner derived from the first still holds for the
 second. A Plan therefore carries the signature of the model its units were
@@ -39,6 +40,7 @@ __all__ = ["ModelWalk", "Vouched", "vouch", "vouched_modules", "walk_model"]
 ParamFacts = tuple[torch.dtype, bool, int]
 _FACTS = operator.attrgetter("dtype", "requires_grad", "ndim")
 _NDIM = operator.itemgetter(2)
+_DTYPE_GRAD = operator.itemgetter(0, 1)
 Signature = tuple[list[Any], ...]  # lists of ids, classes, positions, names, facts
 
 
@@ -81,6 +83,22 @@ class ModelWalk:
         return list(map(_FACTS, self.params))
 
     @functools.cached_property
+    def tie_declarations(self) -> list[tuple[int, str, object]]:
+        """When some parameter fills two slots (a tie), what each module
+        declares about ties (``_tied_weights_keys``, ``all_tied_weights_keys``)
+        as plain values: a tied parameter's canonical name follows these
+        declarations, so a walk vouches for the names only while they hold.
+        Empty for a model without ties, whose names nothing declared decides."""
+        if len(set(map(id, self.params))) == len(self.params):
+            return []
+        return [
+            (i, attr, _frozen_declaration(declared))
+            for i, module in enumerate(self.modules)
+            for attr in TIE_ATTRIBUTES
+            if (declared := declared_ties(module, attr)) is not None
+        ]
+
+    @functools.cached_property
     def signature(self) -> Signature:
         """Everything two walks must share for claims derived from one to
         hold for the other. Identities are kept as ids, never objects, so a
@@ -95,7 +113,38 @@ class ModelWalk:
             self.slot_names,
             list(map(id, self.params)),
             self.facts,
+            self.tie_declarations,
         )
+
+
+TIE_ATTRIBUTES = ("_tied_weights_keys", "all_tied_weights_keys")
+
+
+def declared_ties(module: nn.Module, attr: str) -> object:
+    """What ``module`` declares about ties under ``attr`` (one of
+    :data:`TIE_ATTRIBUTES`), or ``None``: ``getattr(module, attr, None)``
+    without ``nn.Module.__getattr__``, which raises (slowly) for every
+    module that declares nothing."""
+    found = module.__dict__.get(attr, _ABSENT)
+    if found is not _ABSENT:
+        return found
+    on_class = getattr(type(module), attr, None)
+    # A descriptor (a property) computes the value from the instance.
+    return getattr(module, attr, None) if hasattr(on_class, "__get__") else on_class
+
+
+_ABSENT = object()
+
+
+def _frozen_declaration(declared: object) -> object:
+    """A tie declaration as a value a later walk compares with (a model may
+    change the very dict or list it declared)."""
+    if isinstance(declared, Mapping):
+        return ("map", tuple(declared.items()))
+    if isinstance(declared, (list, tuple, set, frozenset)):
+        items = tuple(declared)
+        return ("set", frozenset(items)) if isinstance(declared, (set, frozenset)) else ("seq", items)
+    return ("other", declared)
 
 
 def walk_model(root: nn.Module, *, enter_sharded: bool = True) -> ModelWalk:
@@ -164,10 +213,14 @@ class Vouched:
 def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
     """Vouch for ``units``, just resolved from ``index``; ``None`` (no
     vouching: the full check runs) when the index did not see the whole
-    model, or some parameter is a scalar, which only the full check names."""
+    model, or some parameter is a scalar or a trainable non-floating
+    (complex) one: the planner does not group those by dtype, and only the
+    full check names what the primitive would refuse."""
     walk = index.walk
     if not walk.complete or 0 in map(_NDIM, walk.facts):
         return None
+    if any(grad and not dtype.is_floating_point for dtype, grad in set(map(_DTYPE_GRAD, walk.facts))):
+        return None  # a trainable complex parameter: the planner leaves it keyless
     position, modules = walk.position, index.modules
     return Vouched(
         walk.signature,
