@@ -4,9 +4,9 @@ Planning needs FQN tables; ``apply_plan`` needs to know whether the model is
 still the one a plan was made from. Both come from the same pre-order walk,
 and the walk also yields a *signature*: the tree's shape (each module's
 parent and attribute name, and every further parent of a shared module),
-each module's identity and class, each parameter slot's module and name, and
-each parameter's identity, dtype, ``requires_grad`` and rank, and, in a
-model with tied parameters, the tie declarations that name them. Two walks with
+each module's identity and class, each parameter slot's module and name,
+each parameter's identity, dtype, ``requires_grad`` and rank, and, in a model
+with tied parameters, the tie declarations that name them. Two walks with
 equal signatures saw the same tree holding the same parameters in the same
 state, so every claim the planner derived from the first still holds for the
 second. A Plan therefore carries the signature of the model its units were
@@ -34,7 +34,16 @@ if TYPE_CHECKING:
     from ._plan import Plan, Reduction, Unit
     from ._planner import ModelIndex
 
-__all__ = ["ModelWalk", "Vouched", "vouch", "vouched_modules", "walk_model"]
+__all__ = [
+    "TIE_ATTRIBUTES",
+    "ModelWalk",
+    "Vouched",
+    "declared_ties",
+    "vouch",
+    "vouch_marks",
+    "vouched_modules",
+    "walk_model",
+]
 
 # What a walk reads from each parameter: (dtype, requires_grad, ndim).
 ParamFacts = tuple[torch.dtype, bool, int]
