@@ -107,18 +107,20 @@ def _check_in_full(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     resolved: list[list[nn.Module]] = []
     owner: dict[str, int] = {}
     for i, unit in enumerate(plan.units):
-        found = [(fqn, index.modules.get(fqn)) for fqn in unit.modules]
+        present = tuple(f for f in unit.modules if f in index.modules)
         problems.extend(
-            f"unit {i}: module {fqn!r} does not exist in {type(model).__name__}" for fqn, m in found if m is None
+            f"unit {i}: module {fqn!r} does not exist in {type(model).__name__}"
+            for fqn in unit.modules
+            if fqn not in index.modules
         )
-        mods = [m for _f, m in found if m is not None]
-        problems.extend(_module_problems(i, tuple(f for f, m in found if m is not None), mods))
+        mods = [index.modules[f] for f in present]
+        problems.extend(_module_problems(i, present, mods))
         for pfqn in unit.params:
             if pfqn in owner:
                 problems.append(f"parameter {pfqn!r} is claimed by units {owner[pfqn]} and {i}")
             owner[pfqn] = i
-        resolved.append([m for m in mods if not isinstance(m, FSDPModule) and not is_container(m)])
-    _fail(problems)
+        resolved.append(mods)
+    _fail(problems)  # past here every unit module exists and passed _module_problems
 
     sharded = set(index.sharded)
     for i, (unit, mods) in enumerate(zip(plan.units, resolved)):
