@@ -428,3 +428,37 @@ def test_replayed_blocks_get_the_units_full_planning_gives(
             return str(e)
 
     assert resolve(True) == resolve(False)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_and_blocks=repeated_blocks(), mp_policy=policies, tokens=fp32_tokens, data=st.data())
+def test_imperative_calls_replaying_earlier_calls_get_the_units_full_planning_gives(
+    model_and_blocks: tuple[nn.Module, list[str]],
+    mp_policy: MixedPrecisionPolicy | None,
+    tokens: tuple[str, ...],
+    data: st.DataObject,
+) -> None:
+    """Invariant: one call of the imperative API per block, each replaying
+    what earlier calls (of this example or any before it) recorded for a
+    block built alike, plans exactly the units (or the error) that planning
+    the block in full gives."""
+    model, blocks = model_and_blocks
+    for fqn in blocks:
+        block = model.get_submodule(fqn)
+        names = [f for f, _ in block.named_parameters()]
+        ignored = tuple(data.draw(st.lists(st.sampled_from(names), max_size=1, unique=True))) if names else ()
+        request = DtypeRequest(
+            targets=("",), fp32_compute_module_names=tokens, ignored_params=ignored, reshard_after_forward=None,
+            always_shard_root=False,
+        )
+
+        def resolve(replay: bool) -> tuple[Unit, ...] | str:
+            try:
+                return resolve_units(
+                    block, mp_policy=mp_policy, offload_policy=None, cross_blocks=(), dtype_request=request,
+                    replay_blocks=replay,
+                )
+            except PlanningError as e:
+                return str(e)
+
+        assert resolve(True) == resolve(False)

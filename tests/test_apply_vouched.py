@@ -1,7 +1,6 @@
 """apply_plan trusts what planning derived only while the model is unchanged.
 
-A Plan carries the walk signature of the model its units were resolved
-against; applying it to that model, unchanged, skips re-deriving each unit's
+A Plan carries a fingerprint of the model its units were resolved against; applying it to that model, unchanged, skips re-deriving each unit's
 claims. Anything that could make those claims wrong sends the check down the
 full path, which names the problem as before.
 """
@@ -9,8 +8,11 @@ full path, which names the problem as before.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import gc
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ from torch import nn
 import fsdptx
 from fsdptx import Plan, PlanMismatchError
 from fsdptx.planning import _apply
+from fsdptx.planning._planner import ModelIndex
+from fsdptx.planning._snapshot import vouch
 from fsdptx.testing import mark_sharded
 
 PIPELINE = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
@@ -108,6 +112,48 @@ def test_tying_two_parameters_after_planning_is_checked_in_full_and_refused() ->
     model.layers[1].attn.q.weight = model.layers[0].attn.q.weight
     with pytest.raises(PlanMismatchError, match="layers.1.attn.q.weight"):
         apply(p, model)
+
+
+def test_moving_a_parameter_to_another_slot_of_its_module_is_checked_in_full_and_refused() -> None:
+    """A bias-free linear keeps a ``None`` bias slot: the weight moved there
+    is the same object in the same module, under another name."""
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    q = model.layers[0].attn.q
+    q._parameters["bias"], q._parameters["weight"] = q._parameters["weight"], None
+    with pytest.raises(PlanMismatchError, match="layers.0.attn.q.bias"):
+        apply(p, model)
+
+
+def test_renaming_a_child_after_planning_is_checked_in_full_and_refused() -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    attn = model.layers[0]._modules.pop("attn")
+    model.layers[0].add_module("attention", attn)
+    with pytest.raises(PlanMismatchError, match="'layers.0.attn.sinks' does not exist"):
+        apply(p, model)
+
+
+def test_swapping_two_children_of_one_class_is_checked_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same names, same classes, same objects: only which module sits under
+    which name changed, and with it every FQN below them."""
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    layers = model.layers._modules
+    layers["0"], layers["1"] = layers["1"], layers["0"]
+    full = FullChecks(monkeypatch)
+    apply(p, model)
+    assert full.count == 1
+
+
+def test_a_plan_keeps_no_model_alive() -> None:
+    model = make_decoder()
+    p = fsdptx.plan(model, PIPELINE)
+    assert p.verified is not None
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
 
 
 def test_sharding_a_module_after_planning_is_refused_without_a_call() -> None:
@@ -244,3 +290,16 @@ def test_a_frozen_complex_parameter_keeps_the_vouching(monkeypatch: pytest.Monke
     full = FullChecks(monkeypatch)
     apply(p, model)
     assert full.count == 0
+
+
+def test_units_the_primitive_would_refuse_are_not_vouched_for() -> None:
+    """Settings and module checks run once, when vouching: a unit that
+    fails them leaves the plan to the full check, which names the problem."""
+    model = make_decoder()
+    index = ModelIndex.build(model)
+    p = fsdptx.plan(model, PIPELINE)
+    assert vouch(index, p.units) is not None
+    bad = (dataclasses.replace(p.units[0], reshard_after_forward=-1), *p.units[1:])
+    assert vouch(index, bad) is None
+    with pytest.raises(PlanMismatchError, match="reshard_after_forward=-1"):
+        apply(p.replace(units=bad), model)

@@ -22,8 +22,9 @@ from .._args import require_module
 from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions
 from .._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
 from ._plan import Checkpointing, Plan, Reduction, Unit
-from ._planner import ModelIndex, claim, is_container
+from ._planner import ModelIndex, claim
 from ._snapshot import vouched_modules
+from ._unit_checks import module_problems, settings_problems
 from .._policy import primitive_policy
 from .._tree import get_module_from_path
 from ..tp._transform import check_tensor_parallel, tied_tp_groups, tp_styles_by_module
@@ -59,45 +60,27 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     storage dtype (FSDP2's assertion, caught early); no scalar parameters;
     ``reshard_after_forward`` values are ones the primitive accepts.
 
-    A plan whose units the planner resolved against this model, unchanged
-    since (same walk signature: see :mod:`fsdptx.planning._snapshot`), has
-    its claims, dtypes and names vouched for; only what can change without
-    the signature changing is checked again.
+    A plan whose units the planner resolved and checked against this model,
+    unchanged since (it still matches the plan's fingerprint: see
+    :mod:`fsdptx.planning._snapshot`), is not checked again.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"check_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
     require_module(model, "model", "check_plan")
     vouched = vouched_modules(plan, model)
-    if vouched is not None:
-        return check_resolved(plan, vouched)
-    return _check_in_full(plan, model)
+    return _check_in_full(plan, model) if vouched is None else vouched
 
 
 def check_resolved(plan: Plan, resolved: list[list[nn.Module]]) -> list[list[nn.Module]]:
-    """The checks left for units whose claims are known to hold (resolved
-    against the model as it is): what the primitive would refuse in each
-    unit's settings and modules. Returns ``resolved``."""
+    """The checks left for units just resolved from the model as it is
+    (their claims hold): what the primitive would refuse in each unit's
+    settings and modules. Returns ``resolved``."""
     problems: list[str] = []
     for i, (unit, mods) in enumerate(zip(plan.units, resolved)):
-        problems.extend(_settings_problems(i, unit))
-        problems.extend(_module_problems(i, unit.modules, mods))
+        problems.extend(settings_problems(i, unit))
+        problems.extend(module_problems(i, unit.modules, mods))
     _fail(problems)
     return resolved
-
-
-def _module_problems(i: int, fqns: tuple[str, ...], mods: list[nn.Module]) -> list[str]:
-    """A unit module must not be an FSDP module already, nor a container
-    without forward (which ``fully_shard`` rejects)."""
-    problems = []
-    for fqn, m in zip(fqns, mods):
-        if isinstance(m, FSDPModule):
-            problems.append(f"unit {i}: module {fqn!r} is already sharded (an FSDP module)")
-        elif is_container(m):
-            problems.append(
-                f"unit {i}: module {fqn!r} is a {type(m).__name__} without forward, which "
-                "fully_shard rejects; plan its elements instead"
-            )
-    return problems
 
 
 def _check_in_full(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
@@ -114,17 +97,17 @@ def _check_in_full(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
             if fqn not in index.modules
         )
         mods = [index.modules[f] for f in present]
-        problems.extend(_module_problems(i, present, mods))
+        problems.extend(module_problems(i, present, mods))
         for pfqn in unit.params:
             if pfqn in owner:
                 problems.append(f"parameter {pfqn!r} is claimed by units {owner[pfqn]} and {i}")
             owner[pfqn] = i
         resolved.append(mods)
-    _fail(problems)  # past here every unit module exists and passed _module_problems
+    _fail(problems)  # past here every unit module exists and passed module_problems
 
     sharded = set(index.sharded)
     for i, (unit, mods) in enumerate(zip(plan.units, resolved)):
-        problems.extend(_settings_problems(i, unit))
+        problems.extend(settings_problems(i, unit))
         problems.extend(_claim_problems(i, unit, mods, index, sharded))
         sharded.update(id(m) for m in mods)
     for pfqn in plan.reductions:
@@ -135,21 +118,6 @@ def _check_in_full(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
             problems.append(f"exclusion names module {mfqn!r}, which the model lacks")
     _fail(problems)
     return resolved
-
-
-def _settings_problems(i: int, unit: Unit) -> list[str]:
-    """What the primitive would refuse in the unit's own settings."""
-    problems: list[str] = []
-    if unit.mp_policy is not None and not isinstance(unit.mp_policy, MixedPrecisionPolicy):
-        problems.append(f"unit {i}: mp_policy {unit.mp_policy!r} is not a MixedPrecisionPolicy or None")
-    if unit.offload_policy is not None and not isinstance(unit.offload_policy, OffloadPolicy):
-        problems.append(f"unit {i}: offload_policy {unit.offload_policy!r} is not an OffloadPolicy or None")
-    if unit.mesh not in ("dp", "moe"):
-        problems.append(f"unit {i}: mesh {unit.mesh!r} is neither 'dp' nor 'moe'")
-    r = unit.reshard_after_forward
-    if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r >= 1)):
-        problems.append(f"unit {i}: reshard_after_forward={r!r} is not None, a bool or a positive int")
-    return problems
 
 
 def _claim_problems(
