@@ -1,6 +1,6 @@
 """apply_plan trusts what planning derived only while the model is unchanged.
 
-A Plan carries a fingerprint of the model its units were resolved against; applying it to that model, unchanged, skips re-deriving each unit's
+A Plan carries the walk signature of the model its units were resolved against; applying it to that model, unchanged, skips re-deriving each unit's
 claims. Anything that could make those claims wrong sends the check down the
 full path, which names the problem as before.
 """

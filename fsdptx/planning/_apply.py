@@ -6,7 +6,7 @@ never leaves a model half-sharded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -61,14 +61,20 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     ``reshard_after_forward`` values are ones the primitive accepts.
 
     A plan whose units the planner resolved and checked against this model,
-    unchanged since (it still matches the plan's fingerprint: see
+    unchanged since (same walk signature: see
     :mod:`fsdptx.planning._snapshot`), is not checked again.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"check_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
     require_module(model, "model", "check_plan")
+    return _checked(plan, model)[0]
+
+
+def _checked(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]], Mapping[str, nn.Module]]:
+    """:func:`check_plan`'s modules, and the modules the marks name when a
+    vouched plan's walk found them (else none: they are looked up by FQN)."""
     vouched = vouched_modules(plan, model)
-    return _check_in_full(plan, model) if vouched is None else vouched
+    return (_check_in_full(plan, model), {}) if vouched is None else vouched
 
 
 def check_resolved(plan: Plan, resolved: list[list[nn.Module]]) -> list[list[nn.Module]]:
@@ -348,12 +354,16 @@ def apply_plan(
     an argument with torch's default, so tests can record calls and other
     frameworks substitute their own.
     """
-    resolved = check_plan(plan, model)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
+    require_module(model, "model", "apply_plan")
+    resolved, marked = _checked(plan, model)
     return apply_resolved(
         plan,
         model,
         mesh,
         resolved,
+        marked=marked,
         moe_mesh=moe_mesh,
         shard_module=shard_module,
         parallelize_module=parallelize_module,
@@ -367,6 +377,7 @@ def apply_resolved(
     mesh: DeviceMesh,
     resolved: list[list[nn.Module]],
     *,
+    marked: Mapping[str, nn.Module] | None = None,
     moe_mesh: DeviceMesh | None = None,
     shard_module: ShardModule = fully_shard,
     parallelize_module: ParallelizeModule = torch_parallelize_module,
@@ -375,7 +386,15 @@ def apply_resolved(
     """:func:`apply_plan` once the units are checked against the model and
     ``resolved`` holds each unit's modules: the mesh, checkpointing and
     prefetch checks, then the effects. The imperative API comes here
-    directly, its units resolved from the index it has just built."""
+    directly, its units resolved from the index it has just built.
+    ``marked`` holds modules the marks name, already found by FQN; any
+    other is looked up."""
+    found = marked or {}
+
+    def module_at(fqn: str) -> nn.Module:
+        module = found.get(fqn)
+        return get_module_from_path(model, fqn) if module is None else module
+
     problems = _check_against_mesh(plan, model, mesh, moe_mesh)
     problems += _check_checkpointing(plan.checkpointing, model)
     problems += _check_prefetch(plan)
@@ -412,7 +431,7 @@ def apply_resolved(
         module_fqn, _, name = pfqn.rpartition(".")
         by_module.setdefault(module_fqn, {})[name] = reduction
     for module_fqn, marks in by_module.items():
-        mark_parameter_reductions(get_module_from_path(model, module_fqn), marks)
+        mark_parameter_reductions(module_at(module_fqn), marks)
     for mfqn in plan.exclusions:
-        exclude_from_tp_replica_sync(get_module_from_path(model, mfqn))
+        exclude_from_tp_replica_sync(module_at(mfqn))
     return model

@@ -1,21 +1,26 @@
 """One walk of a model that both planning and applying read.
 
 Planning needs FQN tables; ``apply_plan`` needs to know whether the model is
-still the one a plan was made from. The planner's tables come from one
-pre-order walk (:func:`walk_model`), and a Plan carries a
-:class:`Fingerprint` of the model its units were resolved against: weak
-references to every module and parameter the walk met, and what the walk
-read from them (each module's class and the names and identities in its
-child and parameter tables; each parameter's dtype, ``requires_grad`` and
-rank; in a model with tied parameters, the tie declarations that name them).
-A model that still matches its fingerprint is the same tree holding the same
-parameters in the same state, so every claim the planner derived still
-holds. Checking a fingerprint needs no walk: the modules are the ones the
-weak references lead to, and each comparison is a C-level map over them, a
-fraction of what walking and re-deriving cost. Anything that differs (a
-cast, a frozen or replaced parameter, a module swapped or sharded, a
-hand-edited unit) sends ``check_plan`` down the full check, so no error is
-weakened.
+still the one a plan was made from. Both come from the same pre-order walk,
+and the walk also yields a *signature*: the tree's shape (each module's
+parent and attribute name, and every further parent of a shared module),
+each module's identity and class, each parameter slot's module and name,
+each parameter's identity, dtype, ``requires_grad`` and rank, and, in a model
+with tied parameters, the tie declarations that name them. Two walks with
+equal signatures saw the same tree holding the same parameters in the same
+state, so every claim the planner derived from the first still holds for the
+second. A Plan therefore carries the signature of the model its units were
+resolved against (:class:`Vouched`), and applying it costs one walk and a
+list comparison instead of re-deriving each unit's claims. Anything that
+differs (a cast, a frozen or replaced parameter, a module swapped or
+sharded, a hand-edited unit) sends ``check_plan`` down the full check, so no
+error is weakened.
+
+Identities are compared as ids, which a new object may reuse once the old
+one is gone; that is safe because everything the planner and the full check
+derive depends on where each object sits and what the walk read from it,
+which the signature holds fixed, never on which object it is. The modules
+handed to the primitive are the ones this walk found.
 """
 
 from __future__ import annotations
@@ -23,11 +28,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import weakref
-from collections.abc import Callable, Iterable, Mapping
-from itertools import chain
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,7 +44,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TIE_ATTRIBUTES",
-    "Fingerprint",
     "ModelWalk",
     "Vouched",
     "declared_ties",
@@ -56,6 +58,7 @@ ParamFacts = tuple[torch.dtype, bool, int]
 _FACTS = operator.attrgetter("dtype", "requires_grad", "ndim")
 _NDIM = operator.itemgetter(2)
 _DTYPE_GRAD = operator.itemgetter(0, 1)
+Signature = tuple[list[Any], ...]  # lists of ids, classes, positions, names, facts
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class ModelWalk:
     slot_names: list[str]
     params: list[nn.Parameter]
     position: dict[int, int]  # module id -> position in ``modules``
-    complete: bool  # False: FSDP modules were not entered, the walk vouches for nothing
+    complete: bool  # False: FSDP modules were not entered, the signature vouches for nothing
 
     @property
     def shared_modules(self) -> bool:
@@ -99,11 +102,36 @@ class ModelWalk:
     @functools.cached_property
     def tie_declarations(self) -> list[tuple[int, str, object]]:
         """When some parameter fills two slots (a tie), what each module
-        declares about ties (see :func:`_tie_declarations`); empty for a
-        model without ties, whose names nothing declared decides."""
+        declares about ties (``_tied_weights_keys``, ``all_tied_weights_keys``)
+        as plain values: a tied parameter's canonical name follows these
+        declarations, so a walk vouches for the names only while they hold.
+        Empty for a model without ties, whose names nothing declared decides."""
         if len(set(map(id, self.params))) == len(self.params):
             return []
-        return _tie_declarations(self.modules)
+        return [
+            (i, attr, _frozen_declaration(declared))
+            for i, module in enumerate(self.modules)
+            for attr in TIE_ATTRIBUTES
+            if (declared := declared_ties(module, attr)) is not None
+        ]
+
+    @functools.cached_property
+    def signature(self) -> Signature:
+        """Everything two walks must share for claims derived from one to
+        hold for the other. Identities are kept as ids, never objects, so a
+        Plan does not keep its model alive."""
+        return (
+            list(map(id, self.modules)),
+            self.types,
+            self.parents,
+            self.names,
+            self.repeats,
+            self.owners,
+            self.slot_names,
+            list(map(id, self.params)),
+            self.facts,
+            self.tie_declarations,
+        )
 
 
 TIE_ATTRIBUTES = ("_tied_weights_keys", "all_tied_weights_keys")
@@ -125,19 +153,6 @@ def declared_ties(module: nn.Module, attr: str) -> object:
 _ABSENT = object()
 
 
-def _tie_declarations(modules: list[nn.Module]) -> list[tuple[int, str, object]]:
-    """What each module declares about ties (``_tied_weights_keys``,
-    ``all_tied_weights_keys``), as plain values by walk position: a tied
-    parameter's canonical name follows these declarations, so a plan
-    vouches for its names only while they hold."""
-    return [
-        (i, attr, _frozen_declaration(declared))
-        for i, module in enumerate(modules)
-        for attr in TIE_ATTRIBUTES
-        if (declared := declared_ties(module, attr)) is not None
-    ]
-
-
 def _frozen_declaration(declared: object) -> object:
     """A tie declaration as a value a later walk compares with (a model may
     change the very dict or list it declared)."""
@@ -155,10 +170,10 @@ def walk_model(root: nn.Module, *, enter_sharded: bool = True) -> ModelWalk:
     ``enter_sharded=False`` records an FSDP module below ``root`` but not
     what it holds: ``fully_shard`` stops there too, so planning one call of
     the imperative API after its blocks were sharded needs nothing inside
-    them. Such a partial walk vouches for nothing.
+    them. Such a partial walk's signature vouches for nothing.
 
-    The loop only collects objects and names; the per-object reads are
-    C-level maps over the collected lists, done when needed.
+    The loop only collects objects and names; the per-object reads of the
+    signature are C-level maps over the collected lists, done when needed.
     """
     modules: list[nn.Module] = []
     parents: list[int] = []
@@ -198,100 +213,20 @@ def walk_model(root: nn.Module, *, enter_sharded: bool = True) -> ModelWalk:
     return ModelWalk(modules, parents, names, repeats, owners, slot_names, params, position, enter_sharded)
 
 
-_CHILDREN = operator.attrgetter("_modules")
-_PARAMETERS = operator.attrgetter("_parameters")
-_IS_PARAM = functools.partial(operator.is_not, None)
-# Stands in for the weak reference of a ``None`` table entry: calling it
-# gives ``None`` back, so one ``map(operator.call, ...)`` resolves every entry.
-_NO_PARAM: Callable[[], None] = type(None)
-
-
-def _tables(modules: list[Any]) -> tuple[list[int], list[str], list[int], list[int], list[str], list[Any]]:
-    """What each module's child and parameter tables hold, flattened in walk
-    order: child counts, names and ids; parameter counts, names and values
-    (``None`` entries included: moving a parameter to another slot of the
-    same module changes its name)."""
-    children = list(map(_CHILDREN, modules))
-    tables = list(map(_PARAMETERS, modules))
-    return (
-        list(map(len, children)),
-        list(chain.from_iterable(children)),
-        list(map(id, chain.from_iterable(map(dict.values, children)))),
-        list(map(len, tables)),
-        list(chain.from_iterable(tables)),
-        list(chain.from_iterable(map(dict.values, tables))),
-    )
-
-
-def _param_facts(values: Iterable[Any]) -> list[ParamFacts]:
-    return list(map(_FACTS, filter(_IS_PARAM, values)))
-
-
-@dataclass(frozen=True, eq=False)
-class Fingerprint:
-    """A model as one complete walk found it, checked again without walking.
-
-    Modules and parameters are held through weak references, so a Plan does
-    not keep its model alive, and a reference that still resolves proves the
-    object is the very one the walk met (an id alone could be reused). Two
-    models match when the references resolve, ``root`` is the first module,
-    every module keeps its class and its child and parameter tables (names
-    and identities, in order), and every parameter keeps its dtype,
-    ``requires_grad`` and rank. Every module reachable from ``root`` is then
-    one of the recorded ones: each recorded module's children are.
-    """
-
-    modules: list[weakref.ref[nn.Module]]
-    types: list[type]
-    tables: tuple[list[int], list[str], list[int], list[int], list[str]]
-    params: list[Callable[[], Any]]  # per parameter-table entry, None ones included
-    facts: list[ParamFacts]
-    ties: list[tuple[int, str, object]]
-
-    @classmethod
-    def of(cls, walk: ModelWalk) -> Fingerprint:
-        """The fingerprint of a complete walk's model."""
-        *tables, values = _tables(walk.modules)
-        return cls(
-            list(map(weakref.ref, walk.modules)),
-            walk.types,
-            tuple(tables),  # type: ignore[arg-type]
-            [_NO_PARAM if p is None else weakref.ref(p) for p in values],
-            _param_facts(values),
-            walk.tie_declarations,
-        )
-
-    def modules_of(self, root: nn.Module) -> list[nn.Module] | None:
-        """The model's modules in walk order when ``root`` still matches;
-        ``None`` at the first difference."""
-        alive = list(map(operator.call, self.modules))
-        if alive[0] is not root or list(map(type, alive)) != self.types:
-            return None  # a module was swapped, re-classed, or is gone
-        modules = cast(list[nn.Module], alive)  # every class matched: none is None
-        *tables, values = _tables(modules)
-        if tuple(tables) != self.tables or len(values) != len(self.params):
-            return None
-        if not all(map(operator.is_, values, map(operator.call, self.params))):
-            return None
-        if _param_facts(values) != self.facts:
-            return None
-        if self.ties and _tie_declarations(modules) != self.ties:
-            return None
-        return modules
-
-
 @dataclass(frozen=True, eq=False)
 class Vouched:
     """What planning vouches for: ``units`` (this very tuple) were resolved
-    against a model matching ``fingerprint``, and are found, in walk order,
-    at ``positions``. ``reductions``/``exclusions`` (these very objects)
-    were checked against the same model, or are ``None``."""
+    against a model whose walk had this signature, and are found, in walk
+    order, at ``positions``. ``reductions``/``exclusions`` (these very
+    objects) were checked against the same model, or are ``None``; then
+    ``marked`` holds the walk position of each module they name."""
 
-    fingerprint: Fingerprint
+    signature: Signature
     units: tuple[Unit, ...]
     positions: tuple[tuple[int, ...], ...]
     reductions: Mapping[str, Reduction] | None = None
     exclusions: tuple[str, ...] | None = None
+    marked: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
@@ -300,9 +235,8 @@ def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
     did not see the whole model, some parameter is a scalar or a trainable
     non-floating (complex) one (the planner does not group those by dtype),
     or the primitive would refuse some unit's settings or modules. Those
-    depend only on the units and the modules' classes, which the
-    fingerprint holds fixed, so applying a vouched plan re-checks none of
-    them."""
+    depend only on the units and the modules' classes, which the signature
+    holds fixed, so applying a vouched plan re-checks none of them."""
     walk = index.walk
     if not walk.complete or 0 in map(_NDIM, walk.facts):
         return None
@@ -313,7 +247,7 @@ def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
     for i, (unit, at) in enumerate(zip(units, positions)):
         if settings_problems(i, unit) or module_problems(i, unit.modules, [walk.modules[j] for j in at]):
             return None
-    return Vouched(Fingerprint.of(walk), units, positions)
+    return Vouched(walk.signature, units, positions)
 
 
 def vouch_marks(index: ModelIndex, plan: Plan) -> object:
@@ -323,12 +257,22 @@ def vouch_marks(index: ModelIndex, plan: Plan) -> object:
     if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
         return vouched
     named = all(map(index.has_param, plan.reductions)) and all(f in index.modules for f in plan.exclusions)
-    return dataclasses.replace(vouched, reductions=plan.reductions, exclusions=plan.exclusions) if named else vouched
+    if not named:
+        return vouched
+    position, modules = index.walk.position, index.modules
+    owners = {f.rpartition(".")[0] for f in plan.reductions}.union(plan.exclusions)
+    return dataclasses.replace(
+        vouched,
+        reductions=plan.reductions,
+        exclusions=plan.exclusions,
+        marked={f: position[id(modules[f])] for f in owners},
+    )
 
 
-def vouched_modules(plan: Plan, model: nn.Module) -> list[list[nn.Module]] | None:
-    """Each unit's modules when the plan is vouched for and ``model`` still
-    matches its fingerprint; ``None`` when anything calls for the full check."""
+def vouched_modules(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]], dict[str, nn.Module]] | None:
+    """Each unit's modules, and each module the marks name (by FQN), when
+    the plan is vouched for and ``model`` walks to the same signature;
+    ``None`` when anything calls for the full check."""
     vouched = plan.verified
     if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
         return None
@@ -336,7 +280,8 @@ def vouched_modules(plan: Plan, model: nn.Module) -> list[list[nn.Module]] | Non
         return None
     if plan.exclusions and vouched.exclusions is not plan.exclusions:
         return None
-    found = vouched.fingerprint.modules_of(model)
-    if found is None:
+    walk = walk_model(model)
+    if walk.signature != vouched.signature:
         return None
-    return [[found[i] for i in at] for at in vouched.positions]
+    found = walk.modules
+    return [[found[i] for i in at] for at in vouched.positions], {f: found[i] for f, i in vouched.marked.items()}
