@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
 from fsdptx.planning._apply import _check_in_full
+from fsdptx.planning._imperative import _Call, _CallMemo, _plan_call
 from fsdptx.planning._plan import DtypeRequest
 from fsdptx.planning._planner import resolve_units
 from fsdptx.planning._snapshot import vouched_modules
@@ -432,35 +433,35 @@ def test_replayed_blocks_get_the_units_full_planning_gives(
     assert resolve(True) == resolve(False)
 
 
+# One memo for every example: a call may reuse what any earlier example's
+# calls recorded, as calls in one process do.
+_CALL_MEMO = _CallMemo(limit=64)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model_and_blocks=repeated_blocks(), mp_policy=policies, tokens=fp32_tokens, data=st.data())
-def test_imperative_calls_replaying_earlier_calls_get_the_units_full_planning_gives(
+def test_imperative_calls_taken_from_the_memo_get_what_planning_gives(
     model_and_blocks: tuple[nn.Module, list[str]],
     mp_policy: MixedPrecisionPolicy | None,
     tokens: tuple[str, ...],
     data: st.DataObject,
 ) -> None:
-    """Invariant: one call of the imperative API per block, each replaying
-    what earlier calls (of this example or any before it) recorded for a
-    block built alike, plans exactly the units (or the error) that planning
-    the block in full gives."""
+    """Invariant: one imperative call per block, each answered from the
+    memo of earlier calls (of this example or any before it) whenever a
+    block of the same shape was planned, gets exactly the units, modules
+    and errors that planning the call gives."""
     model, blocks = model_and_blocks
+    call = _Call(mp_policy, None, tokens, None)
     for fqn in blocks:
         block = model.get_submodule(fqn)
-        names = [f for f, _ in block.named_parameters()]
-        ignored = tuple(data.draw(st.lists(st.sampled_from(names), max_size=1, unique=True))) if names else ()
-        request = DtypeRequest(
-            targets=("",), fp32_compute_module_names=tokens, ignored_params=ignored, reshard_after_forward=None,
-            always_shard_root=False,
-        )
+        params = [p for _f, p in block.named_parameters()]
+        ignored = set(data.draw(st.lists(st.sampled_from(params), max_size=1))) if params else None
 
-        def resolve(replay: bool) -> tuple[Unit, ...] | str:
+        def units_and_modules(memo: _CallMemo | None) -> tuple[object, ...] | str:
             try:
-                return resolve_units(
-                    block, mp_policy=mp_policy, offload_policy=None, cross_blocks=(), dtype_request=request,
-                    replay_blocks=replay,
-                )
+                units, modules = _plan_call(block, call, ignored, memo)
             except PlanningError as e:
                 return str(e)
+            return units, [[id(m) for m in ms] for ms in modules]
 
-        assert resolve(True) == resolve(False)
+        assert units_and_modules(_CALL_MEMO) == units_and_modules(None)

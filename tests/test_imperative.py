@@ -4,6 +4,8 @@ MTP/CP guards."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,11 +16,12 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdptx
-from fsdptx.testing import fake_mesh
+from fsdptx.planning import _imperative as imperative
+from fsdptx.testing import fake_mesh, mark_sharded
 
 BF16_POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, output_dtype=BF16)
 MESH = object()  # the recording primitive never looks at the mesh
@@ -418,3 +421,167 @@ def test_across_blocks_returns_a_parameter_set() -> None:
     owned = fsdptx.fully_shard_across_blocks(list(model.layers), ["attn.sinks"], MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
     assert isinstance(owned, fsdptx.ParameterSet) and isinstance(owned, set)
     assert owned == {b.attn.sinks.weight for b in model.layers}
+
+
+# --------------------------------------------------------------------------- units remembered across calls
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> imperative._CallMemo:
+    """A memo of this test's own, so earlier tests' calls do not count."""
+    fresh = imperative._CallMemo(limit=64)
+    monkeypatch.setattr(imperative, "_CALLS", fresh)
+    return fresh
+
+
+def _planned_in_full(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
+    """The modules whose calls are planned (not taken from the memo) from here on."""
+    planned: list[nn.Module] = []
+    original = imperative.resolve_units
+
+    def counting(model: nn.Module, **kwargs: Any) -> Any:
+        planned.append(model)
+        return original(model, **kwargs)
+
+    monkeypatch.setattr(imperative, "resolve_units", counting)
+    return planned
+
+
+def _call(
+    block: nn.Module,
+    memo: imperative._CallMemo | None,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = BF16_POLICY,
+    offload_policy: OffloadPolicy | None = None,
+    ignored: set[nn.Parameter] | None = None,
+) -> tuple[Any, ...]:
+    units, _modules = imperative._plan_call(block, imperative._Call(mp_policy, offload_policy, (), None), ignored, memo)
+    return units
+
+
+def test_only_the_first_of_blocks_built_alike_is_planned(
+    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_decoder(3)
+    planned = _planned_in_full(monkeypatch)
+    for block in model.layers:
+        fsdptx.fully_shard_by_dtype(block, MESH, BF16_POLICY, None, shard_module=mark_sharded)  # type: ignore[arg-type]
+    assert planned == [model.layers[0]]
+
+
+def test_a_remembered_call_gives_the_units_and_modules_planning_gives(calls: imperative._CallMemo) -> None:
+    model = make_decoder(2)
+    _call(model.layers[0], calls)
+    block = model.layers[1]
+    call = imperative._Call(BF16_POLICY, None, (), None)
+    remembered = imperative._plan_call(block, call, None, calls)
+    planned = imperative._plan_call(block, call, None, None)
+    assert remembered[0] == planned[0]
+    assert [[id(m) for m in ms] for ms in remembered[1]] == [[id(m) for m in ms] for ms in planned[1]]
+
+
+def test_sharding_a_block_the_memo_knows_calls_the_primitive_on_that_blocks_modules(
+    calls: imperative._CallMemo,
+) -> None:
+    model = make_decoder(2)
+    by_dtype(model.layers[0], BF16_POLICY)
+    second = by_dtype(model.layers[1], BF16_POLICY)
+    inside = {id(m) for m in model.layers[1].modules()}
+    assert second.calls and all(
+        id(m) in inside for target in second.targets() for m in (target if isinstance(target, list) else [target])
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda b: b.attn.q.weight.requires_grad_(False), id="a frozen parameter"),
+        pytest.param(lambda b: b.mlp.to(torch.float32), id="a cast"),
+        pytest.param(lambda b: setattr(b.attn.q.weight, "_hf_compute_dtype", FP32), id="a compute-dtype hint"),
+        pytest.param(lambda b: b.mlp.add_module("extra", CastLinear(DIM, DIM, BF16)), id="an added module"),
+    ],
+)
+def test_a_block_that_differs_from_the_remembered_one_is_planned(
+    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch, change: Any
+) -> None:
+    model = make_decoder(2)
+    _call(model.layers[0], calls)
+    change(model.layers[1])
+    planned = _planned_in_full(monkeypatch)
+    assert _call(model.layers[1], calls) == _call(model.layers[1], None)
+    assert planned[0] is model.layers[1]
+
+
+def test_a_call_ignoring_other_parameters_is_planned(calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_decoder(2)
+    _call(model.layers[0], calls)
+    planned = _planned_in_full(monkeypatch)
+    ignored = {model.layers[1].attn.sinks.weight}
+    assert _call(model.layers[1], calls, ignored=ignored) == _call(model.layers[1], None, ignored=ignored)
+    assert planned[0] is model.layers[1]
+
+
+def test_a_call_with_another_mixed_precision_policy_is_planned(
+    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_decoder(2)
+    other = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16)
+    _call(model.layers[0], calls)
+    planned = _planned_in_full(monkeypatch)
+    assert _call(model.layers[1], calls, mp_policy=other) == _call(model.layers[1], None, mp_policy=other)
+    assert planned[0] is model.layers[1]
+
+
+def test_a_call_with_an_offload_policy_of_another_value_is_planned(
+    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_decoder(2)
+    _call(model.layers[0], calls, offload_policy=CPUOffloadPolicy(pin_memory=True))
+    planned = _planned_in_full(monkeypatch)
+    _call(model.layers[1], calls, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    assert planned == [model.layers[1]]
+
+
+def test_remembered_units_carry_this_calls_offload_policy_object(calls: imperative._CallMemo) -> None:
+    """An offload policy is a mutable dataclass: the one a call was given is
+    the one its units hand the primitive, even when an equal one was
+    remembered."""
+    model = make_decoder(2)
+    first, second = CPUOffloadPolicy(), CPUOffloadPolicy()
+    _call(model.layers[0], calls, offload_policy=first)
+    units = _call(model.layers[1], calls, offload_policy=second)
+    assert units and all(u.offload_policy is second for u in units)
+
+
+def test_a_block_holding_a_tied_parameter_is_always_planned(
+    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_decoder(2)
+    for block in model.layers:
+        block.mlp.up.weight = block.mlp.down.weight
+    planned = _planned_in_full(monkeypatch)
+    _call(model.layers[0], calls)
+    _call(model.layers[1], calls)
+    assert planned == list(model.layers) and len(calls) == 0
+
+
+def test_the_memo_keeps_no_model_alive(calls: imperative._CallMemo) -> None:
+    model = make_decoder(2)
+    for block in model.layers:
+        fsdptx.fully_shard_by_dtype(block, MESH, BF16_POLICY, None, shard_module=mark_sharded)  # type: ignore[arg-type]
+    assert len(calls) == 1
+    gone = weakref.ref(model)
+    del model, block
+    gc.collect()
+    assert gone() is None
+
+
+def test_the_memo_keeps_the_most_recently_used_calls() -> None:
+    memo = imperative._CallMemo(limit=2)
+    entry = imperative._Planned((), ())
+    memo.put(("a",), entry)
+    memo.put(("b",), entry)
+    assert memo.get(("a",)) is entry  # a hit counts as a use
+    memo.put(("c",), entry)
+    assert memo.get(("b",)) is None
+    assert memo.get(("a",)) is entry and memo.get(("c",)) is entry

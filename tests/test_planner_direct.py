@@ -12,22 +12,19 @@ mesh.
 from __future__ import annotations
 
 import functools
-import gc
 import itertools
-import weakref
 from typing import Any
 
 import pytest
 import torch
 from models import BF16, DIM, FP32, CastLinear, make_decoder
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
 from fsdptx.planning import _planner as planner
-from fsdptx.planning._plan import DtypeRequest
 from fsdptx.planning._planner import ModelIndex
 from fsdptx.testing import fake_mesh, mark_sharded
 
@@ -585,106 +582,3 @@ def test_a_block_holding_a_tied_parameter_is_planned_in_full(monkeypatch: pytest
     index = ModelIndex.build(model)
     assert replayed == [index.walk.position[id(model.layers[1])]]
     assert p.units == _units_in_full(model)
-
-
-# --------------------------------------------------------------------------- replay across imperative calls
-
-
-@pytest.fixture
-def shared_shapes(monkeypatch: pytest.MonkeyPatch) -> planner._SharedShapes:
-    """A table of imperative block shapes of this test's own."""
-    fresh = planner._SharedShapes(limit=64)
-    monkeypatch.setattr(planner, "_IMPERATIVE_SHAPES", fresh)
-    return fresh
-
-
-def _one_call(
-    block: nn.Module,
-    *,
-    mp_policy: MixedPrecisionPolicy | None = REPLAY_POLICY,
-    offload_policy: OffloadPolicy | None = None,
-    replay: bool = True,
-) -> tuple[Unit, ...]:
-    """The units one ``fully_shard_by_dtype(block, ...)`` call plans."""
-    request = DtypeRequest(
-        targets=("",), fp32_compute_module_names=(), ignored_params=(), reshard_after_forward=None,
-        always_shard_root=False,
-    )
-    return planner.resolve_units(
-        block, mp_policy=mp_policy, offload_policy=offload_policy, cross_blocks=(), dtype_request=request,
-        replay_blocks=replay,
-    )
-
-
-def test_an_imperative_call_replays_a_block_built_like_an_earlier_calls(
-    shared_shapes: planner._SharedShapes, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model = make_decoder(2)
-    replayed = _replays(monkeypatch)
-    _one_call(model.layers[0])
-    units = _one_call(model.layers[1])
-    assert replayed == [0]
-    assert units == _one_call(model.layers[1], replay=False)
-
-
-def test_fully_shard_by_dtype_over_every_block_plans_only_the_first_in_full(
-    shared_shapes: planner._SharedShapes, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model = make_decoder(3)
-    replayed = _replays(monkeypatch)
-    for block in model.layers:
-        fsdptx.fully_shard_by_dtype(block, None, REPLAY_POLICY, None, shard_module=mark_sharded)  # type: ignore[arg-type]
-    assert len(replayed) == 2
-
-
-def test_an_imperative_call_with_another_mixed_precision_policy_is_planned_in_full(
-    shared_shapes: planner._SharedShapes, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model = make_decoder(2)
-    other = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16)
-    replayed = _replays(monkeypatch)
-    _one_call(model.layers[0])
-    units = _one_call(model.layers[1], mp_policy=other)
-    assert replayed == []
-    assert units == _one_call(model.layers[1], mp_policy=other, replay=False)
-
-
-def test_an_imperative_call_with_an_offload_policy_of_another_value_is_planned_in_full(
-    shared_shapes: planner._SharedShapes, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model = make_decoder(2)
-    replayed = _replays(monkeypatch)
-    _one_call(model.layers[0], offload_policy=CPUOffloadPolicy(pin_memory=True))
-    _one_call(model.layers[1], offload_policy=CPUOffloadPolicy(pin_memory=False))
-    assert replayed == []
-
-
-def test_replayed_units_carry_this_calls_offload_policy_object(shared_shapes: planner._SharedShapes) -> None:
-    """An offload policy is a mutable dataclass: the one a call was given is
-    the one its units hand the primitive, even when an equal one was
-    recorded."""
-    model = make_decoder(2)
-    first, second = CPUOffloadPolicy(), CPUOffloadPolicy()
-    _one_call(model.layers[0], offload_policy=first)
-    units = _one_call(model.layers[1], offload_policy=second)
-    assert units and all(u.offload_policy is second for u in units)
-
-
-def test_the_recorded_imperative_shapes_keep_no_model_alive(shared_shapes: planner._SharedShapes) -> None:
-    model = make_decoder(2)
-    for block in model.layers:
-        fsdptx.fully_shard_by_dtype(block, None, REPLAY_POLICY, None, shard_module=mark_sharded)  # type: ignore[arg-type]
-    assert len(shared_shapes) == 1
-    gone = weakref.ref(model)
-    del model, block
-    gc.collect()
-    assert gone() is None
-
-
-def test_the_recorded_imperative_shapes_keep_the_most_recently_used() -> None:
-    table = planner._SharedShapes(limit=2)
-    table[("a",)] = None
-    table[("b",)] = None
-    assert ("a",) in table  # a lookup counts as a use
-    table[("c",)] = None
-    assert list(table) == [("a",), ("c",)]

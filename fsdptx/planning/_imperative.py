@@ -3,8 +3,12 @@ the composable pipeline: each function plans, then calls ``apply_plan``."""
 
 from __future__ import annotations
 
+import dataclasses
+import operator
+from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,8 +22,9 @@ from torch.distributed.fsdp import (
 )
 
 from ._apply import ShardModule, apply_resolved, check_resolved
-from ._plan import CrossBlockRequest, DtypeRequest, Plan
+from ._plan import CrossBlockRequest, DtypeRequest, Plan, Unit
 from ._planner import ModelIndex, resolve_units
+from ._snapshot import ModelWalk, walk_model
 from ._transforms import _tuple_of_str
 
 __all__ = [
@@ -67,33 +72,160 @@ def fully_shard_by_dtype(
     a ``module`` whose parameters are all ignored still gets its unit.
     """
     tokens = _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
+    request = _Call(mp_policy, offload_policy, tokens, reshard_after_forward)
+    units, resolved = _plan_call(module, request, ignored_params, _CALLS)
+    _apply_now(Plan(units=units), module, resolved, mesh, shard_module)
+
+
+def _apply_now(
+    plan: Plan, module: nn.Module, resolved: list[list[nn.Module]], mesh: DeviceMesh, shard_module: ShardModule
+) -> None:
+    """Apply units resolved from the module a moment ago: nothing can have
+    changed it since, so their claims need no second walk."""
+    apply_resolved(plan, module, mesh, check_resolved(plan, resolved), shard_module=shard_module)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What one ``fully_shard_by_dtype`` call asks for, besides its module."""
+
+    mp_policy: MixedPrecisionPolicy | None
+    offload_policy: OffloadPolicy | None
+    tokens: tuple[str, ...]
+    reshard_after_forward: bool | int | None
+
+    def key(self) -> tuple[object, ...] | None:
+        """The call as a memo key: an offload policy is a mutable dataclass,
+        so it is taken by value; ``None`` when some part is not hashable."""
+        offload = self.offload_policy
+        key = (
+            self.mp_policy,
+            None if offload is None else (type(offload), dataclasses.astuple(offload)),
+            self.tokens,
+            self.reshard_after_forward,
+        )
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A call's units, and where their modules sit in the call's walk."""
+
+    units: tuple[Unit, ...]
+    positions: tuple[tuple[int, ...], ...]
+
+
+class _CallMemo:
+    """The units of earlier ``fully_shard_by_dtype`` calls by the shape of
+    their module, the most recently used ``limit`` kept.
+
+    A model makes one call per block and its blocks are built alike, so
+    every call after the first would plan the same units again. The memo
+    holds a pure function's results: the key (:func:`_shape`) holds all
+    that planning one call reads (the call's settings; the module's tree,
+    classes and names; each parameter's slot, dtype, ``requires_grad``,
+    rank, size, compute-dtype hint and whether it is ignored), and a call's
+    FQNs are relative to its module, so equal keys give equal units. It
+    holds classes, policies and names, never a module or a parameter.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._entries: OrderedDict[tuple[object, ...], _Planned] = OrderedDict()
+
+    def get(self, key: tuple[object, ...]) -> _Planned | None:
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: tuple[object, ...], planned: _Planned) -> None:
+        self._entries[key] = planned
+        self._entries.move_to_end(key)
+        if len(self._entries) > self.limit:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_CALLS = _CallMemo(limit=64)
+_NUMEL = operator.methodcaller("numel")
+
+
+def _hint(p: nn.Parameter) -> object:
+    return getattr(p, "_hf_compute_dtype", None)
+
+
+def _shape(walk: ModelWalk, call: tuple[object, ...], ignored: list[bool]) -> tuple[object, ...] | None:
+    """What planning one call reads from its module's walk (see
+    :class:`_CallMemo`), or ``None``: a module with shared submodules or
+    tied parameters is planned every time (its names are not positional),
+    as is one whose hints are not hashable."""
+    params = walk.params
+    if walk.repeats or len(set(map(id, params))) != len(params):
+        return None
+    shape = (
+        call,
+        tuple(walk.types),
+        tuple(walk.parents),
+        tuple(walk.names),
+        tuple(walk.owners),
+        tuple(walk.slot_names),
+        tuple(walk.facts),
+        tuple(map(_NUMEL, params)),
+        tuple(map(_hint, params)),
+        tuple(ignored),
+    )
+    try:
+        hash(shape)
+    except TypeError:
+        return None
+    return shape
+
+
+def _plan_call(
+    module: nn.Module, call: _Call, ignored_params: Collection[nn.Parameter] | None, memo: _CallMemo | None
+) -> tuple[tuple[Unit, ...], list[list[nn.Module]]]:
+    """The units of one ``fully_shard_by_dtype`` call, and their modules:
+    from ``memo`` when a module of the same shape was planned before, else
+    planned (and remembered)."""
     # fully_shard stops at modules sharded by earlier calls, and so does the
-    # index: the root call after N blocks does not walk into them again.
-    index = ModelIndex.build(module, enter_sharded=False)
-    ignored = _ignored_in(index, ignored_params)
-    request = DtypeRequest(
-        targets=("",),
-        fp32_compute_module_names=tokens,
-        ignored_params=ignored,
-        reshard_after_forward=reshard_after_forward,
-        always_shard_root=False,
-    )
-    units = resolve_units(
-        module,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
-        cross_blocks=(),
-        dtype_request=request,
-        index=index,
-    )
-    _apply_now(Plan(units=units), module, index, mesh, shard_module)
-
-
-def _apply_now(plan: Plan, module: nn.Module, index: ModelIndex, mesh: DeviceMesh, shard_module: ShardModule) -> None:
-    """Apply units resolved from ``index`` a moment ago: nothing can have
-    changed the module since, so their claims need no second walk."""
-    resolved = check_resolved(plan, [[index.modules[f] for f in u.modules] for u in plan.units])
-    apply_resolved(plan, module, mesh, resolved, shard_module=shard_module)
+    # walk: the root call after N blocks does not walk into them again.
+    walk = walk_model(module, enter_sharded=False)
+    ignored = _ignored_slots(walk, ignored_params)
+    call_key = call.key() if memo is not None else None
+    shape = _shape(walk, call_key, ignored) if call_key is not None else None
+    found = memo.get(shape) if memo is not None and shape is not None else None
+    if found is None:
+        index = ModelIndex.from_walk(module, walk)
+        fqn = index.param_fqn
+        request = DtypeRequest(
+            targets=("",),
+            fp32_compute_module_names=call.tokens,
+            ignored_params=tuple(dict.fromkeys(fqn[id(p)] for p, i in zip(walk.params, ignored) if i)),
+            reshard_after_forward=call.reshard_after_forward,
+            always_shard_root=False,
+        )
+        units = resolve_units(
+            module,
+            mp_policy=call.mp_policy,
+            offload_policy=call.offload_policy,
+            cross_blocks=(),
+            dtype_request=request,
+            index=index,
+        )
+        found = _Planned(units, tuple(tuple(walk.position[id(index.modules[f])] for f in u.modules) for u in units))
+        if memo is not None and shape is not None:
+            memo.put(shape, found)
+    units = found.units
+    if call.offload_policy is not None:  # this call's own policy object, not an equal one recorded
+        units = tuple(dataclasses.replace(u, offload_policy=call.offload_policy) for u in units)
+    return units, [[walk.modules[i] for i in at] for at in found.positions]
 
 
 def _parameters(items: Iterable[object]) -> list[nn.Parameter]:
@@ -149,20 +281,18 @@ class ParameterSet(set[nn.Parameter]):
         return self
 
 
-def _ignored_in(index: ModelIndex, ignored_params: Collection[nn.Parameter] | None) -> tuple[str, ...]:
-    """The canonical names of the module's parameters that are ignored.
+def _ignored_slots(walk: ModelWalk, ignored_params: Collection[nn.Parameter] | None) -> list[bool]:
+    """Per parameter slot of the walk, whether its parameter is ignored.
 
     A :class:`ParameterSet` is looked up per parameter of the module (its
     members are Parameters already); any other collection is checked whole.
     """
     if ignored_params is None:
-        return ()
+        return [False] * len(walk.params)
     if isinstance(ignored_params, ParameterSet):
-        found: Iterable[nn.Parameter] = (p for p in index.param_objects if p in ignored_params)
-    else:
-        found = _parameters(ignored_params)
-    fqn = index.param_fqn
-    return tuple(fqn[id(p)] for p in found if id(p) in fqn)
+        return [p in ignored_params for p in walk.params]
+    ids = set(map(id, _parameters(ignored_params)))
+    return [id(p) in ids for p in walk.params]
 
 
 def fully_shard_across_blocks(
@@ -201,7 +331,7 @@ def fully_shard_across_blocks(
         dtype_request=None,
         index=index,
     )
-    _apply_now(Plan(units=units), holder, index, mesh, shard_module)
+    _apply_now(Plan(units=units), holder, [[index.modules[f] for f in u.modules] for u in units], mesh, shard_module)
     return ParameterSet(holder.get_parameter(f) for u in units for f in u.params)
 
 

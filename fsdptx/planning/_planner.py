@@ -8,10 +8,8 @@ is visited a bounded number of times, so planning is linear in model size.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections import OrderedDict
-from collections.abc import Collection, Iterator, MutableMapping, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -85,7 +83,11 @@ class ModelIndex:
     def build(cls, root: nn.Module, *, enter_sharded: bool = True) -> ModelIndex:
         """Index ``root``; ``enter_sharded=False`` leaves out what FSDP
         modules below it hold (see :func:`walk_model`)."""
-        walk = walk_model(root, enter_sharded=enter_sharded)
+        return cls.from_walk(root, walk_model(root, enter_sharded=enter_sharded))
+
+    @classmethod
+    def from_walk(cls, root: nn.Module, walk: ModelWalk) -> ModelIndex:
+        """Index ``root`` from its walk, taken a moment ago."""
         index = cls(root, walk)
         modules, parents, names = walk.modules, walk.parents, walk.names
         fqns = [""] * len(modules)
@@ -793,15 +795,10 @@ class _BlockReplay:
     second one onward costs a comparison and the units' construction instead
     of surveys and descents. A block holding a tied parameter, a model with
     shared modules, and every error take the full planning.
-
-    ``shapes`` is this resolution's own table, or the process-wide
-    :data:`_IMPERATIVE_SHAPES` for one call of the imperative API; then
-    ``context`` adds to each shape what differs between calls.
     """
 
     r: _Resolver
-    shapes: MutableMapping[tuple[object, ...], tuple[_UnitShape, ...] | None] = field(default_factory=dict)
-    context: tuple[object, ...] = ()
+    shapes: dict[tuple[object, ...], tuple[_UnitShape, ...] | None] = field(default_factory=dict)
 
     def shape(self, top: int) -> tuple[object, ...] | None:
         """What planning the block at walk position ``top`` depends on, or
@@ -823,7 +820,6 @@ class _BlockReplay:
             slots.append((keys.get(pid), pid in frozen, taken, pid in ignored))
         sharded = r.sharded
         return (
-            self.context,
             tuple(walk.types[top:end]),
             tuple(up - top for up in walk.parents[top + 1 : end]),
             tuple(walk.names[top + 1 : end]),
@@ -880,7 +876,7 @@ class _BlockReplay:
                     storage_dtype=u.storage_dtype,
                     compute_dtype=u.compute_dtype,
                     mp_policy=u.mp_policy,
-                    offload_policy=r.offload_policy,
+                    offload_policy=u.offload_policy,
                     reshard_after_forward=u.reshard_after_forward,
                     numel=numel,
                     nbytes=nbytes,
@@ -906,74 +902,13 @@ class _BlockReplay:
             self.record(shape, top, r.units[before:])
 
 
-class _SharedShapes(MutableMapping[tuple[object, ...], "tuple[_UnitShape, ...] | None"]):
-    """The block shapes recorded by earlier imperative calls, the most
-    recently used ``limit`` kept.
-
-    It memoizes a pure function: a shape (with its call context) determines
-    the units up to the block's FQN prefix, which is what replay already
-    relies on within one plan, so a hit returns exactly what planning the
-    block would. Entries hold classes and policies, never a module or a
-    parameter, so no model is kept alive.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._entries: OrderedDict[tuple[object, ...], tuple[_UnitShape, ...] | None] = OrderedDict()
-
-    def __getitem__(self, shape: tuple[object, ...]) -> tuple[_UnitShape, ...] | None:
-        found = self._entries[shape]
-        self._entries.move_to_end(shape)
-        return found
-
-    def __setitem__(self, shape: tuple[object, ...], units: tuple[_UnitShape, ...] | None) -> None:
-        self._entries[shape] = units
-        self._entries.move_to_end(shape)
-        if len(self._entries) > self.limit:
-            self._entries.popitem(last=False)
-
-    def __delitem__(self, shape: tuple[object, ...]) -> None:
-        del self._entries[shape]
-
-    def __iter__(self) -> Iterator[tuple[object, ...]]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-# One call of fully_shard_by_dtype plans one block, and a model calls it
-# once per block: without this, every call would plan its block in full.
-_IMPERATIVE_SHAPES = _SharedShapes(limit=64)
-
-
-def _replay_for(r: _Resolver, request: DtypeRequest) -> _BlockReplay | None:
-    """The replay for ``request``: its own table for several targets; the
-    shared one, keyed by what else the units depend on, for one target
-    when that context is hashable (an offload policy is a mutable
-    dataclass, taken by value)."""
-    if len(request.targets) > 1:
-        return _BlockReplay(r)
-    offload = r.offload_policy
-    context = (
-        r.mp_policy,
-        None if offload is None else (type(offload), dataclasses.astuple(offload)),
-        request.reshard_after_forward,
-    )
-    try:
-        hash(context)
-    except TypeError:
-        return None
-    return _BlockReplay(r, _IMPERATIVE_SHAPES, context)
-
-
 def plan_dtype_units(r: _Resolver, request: DtypeRequest, *, replay_blocks: bool = True) -> None:
     """Plan every dtype target of ``request``; blocks built alike are
     replayed (:class:`_BlockReplay`) unless ``replay_blocks`` is off. A
-    single target (one call of the imperative API, typically made once per
-    block) replays from the shapes earlier calls recorded."""
+    single target (one call of the imperative API) has nothing to replay
+    from, so it skips recording shapes."""
     index = r.index
-    replay = _replay_for(r, request) if replay_blocks else None
+    replay = _BlockReplay(r) if replay_blocks and len(request.targets) > 1 else None
     for fqn in request.targets:
         target = index.module(fqn, "shard_by_dtype target")
         if id(target) in index.sharded:
