@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -161,6 +161,17 @@ class FrozenReductions(Mapping[str, Reduction]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+    # The dict's own read-only views: Mapping's generic ones look every
+    # key up again, and apply_plan reads every mark of a large plan.
+    def items(self) -> ItemsView[str, Reduction]:
+        return self._items.items()
+
+    def keys(self) -> KeysView[str]:
+        return self._items.keys()
+
+    def values(self) -> ValuesView[Reduction]:
+        return self._items.values()
 
     def __hash__(self) -> int:
         return hash(tuple(self._items.items()))
