@@ -70,6 +70,10 @@ def fully_shard_by_dtype(
     names are refused with ``TypeError``) are never grouped and are forwarded
     to the units whose subtree holds them, ``module``'s own unit included;
     a ``module`` whose parameters are all ignored still gets its unit.
+
+    A call on a module shaped like one an earlier call planned (the next
+    block of a model) takes that call's units from a memo instead of
+    planning again (:class:`_CallMemo`).
     """
     tokens = _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
     request = _Call(mp_policy, offload_policy, tokens, reshard_after_forward)
