@@ -100,13 +100,18 @@ class ModelWalk:
         return list(map(_FACTS, self.params))
 
     @functools.cached_property
+    def param_ids(self) -> list[int]:
+        """Per slot, its parameter's id."""
+        return list(map(id, self.params))
+
+    @functools.cached_property
     def tie_declarations(self) -> list[tuple[int, str, object]]:
         """When some parameter fills two slots (a tie), what each module
         declares about ties (``_tied_weights_keys``, ``all_tied_weights_keys``)
         as plain values: a tied parameter's canonical name follows these
         declarations, so a walk vouches for the names only while they hold.
         Empty for a model without ties, whose names nothing declared decides."""
-        if len(set(map(id, self.params))) == len(self.params):
+        if len(set(self.param_ids)) == len(self.params):
             return []
         return [
             (i, attr, _frozen_declaration(declared))
@@ -121,14 +126,14 @@ class ModelWalk:
         hold for the other. Identities are kept as ids, never objects, so a
         Plan does not keep its model alive."""
         return (
-            list(map(id, self.modules)),
+            list(self.position),  # module ids, in walk order
             self.types,
             self.parents,
             self.names,
             self.repeats,
             self.owners,
             self.slot_names,
-            list(map(id, self.params)),
+            self.param_ids,
             self.facts,
             self.tie_declarations,
         )
