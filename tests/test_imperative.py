@@ -585,3 +585,13 @@ def test_the_memo_keeps_the_most_recently_used_calls() -> None:
     memo.put(("c",), entry)
     assert memo.get(("b",)) is None
     assert memo.get(("a",)) is entry and memo.get(("c",)) is entry
+
+
+def test_reshard_after_forward_one_is_not_taken_for_true(calls: imperative._CallMemo) -> None:
+    """``True == 1`` in Python, but an int asks FSDP to reshard to that many
+    ranks: a call with one must not get units recorded for the other."""
+    model = make_decoder(2)
+    recorded, _ = imperative._plan_call(model.layers[0], imperative._Call(BF16_POLICY, None, (), True), None, calls)
+    units, _ = imperative._plan_call(model.layers[1], imperative._Call(BF16_POLICY, None, (), 1), None, calls)
+    assert {u.reshard_after_forward for u in recorded} == {True}
+    assert {type(u.reshard_after_forward) for u in units} == {int}

@@ -106,7 +106,8 @@ class _Call:
             self.mp_policy,
             None if offload is None else (type(offload), dataclasses.astuple(offload)),
             self.tokens,
-            self.reshard_after_forward,
+            # typed: True == 1, but reshard_after_forward=1 is not True
+            (type(self.reshard_after_forward), self.reshard_after_forward),
         )
         try:
             hash(key)
