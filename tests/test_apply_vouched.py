@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import gc
 import pickle
+import types
 import weakref
 
 import pytest
@@ -303,3 +304,35 @@ def test_units_the_primitive_would_refuse_are_not_vouched_for() -> None:
     assert vouch(index, bad) is None
     with pytest.raises(PlanMismatchError, match="reshard_after_forward=-1"):
         apply(p.replace(units=bad), model)
+
+
+def test_a_tie_declaration_changing_type_only_is_checked_in_full_and_refused() -> None:
+    """The planner reads a ``dict`` declaration and ignores any other
+    mapping, so the same items in a read-only mapping name other sources."""
+    model = DeclaredTie()
+    p = fsdptx.plan(model, fsdptx.shard_by_dtype)
+    model._tied_weights_keys = types.MappingProxyType({"a_head.weight": "embed.weight"})  # type: ignore[assignment]
+    with pytest.raises(PlanMismatchError, match="would not reach"):
+        apply(p, model)
+
+
+class _Stack(nn.ModuleList):
+    """Given a forward, so a unit of its own; a bare container without."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_a_container_class_losing_its_forward_after_planning_is_checked_in_full_and_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = nn.Module()
+    model.norm = CastLinear(DIM, DIM, BF16)
+    model.stack = _Stack([CastLinear(DIM, DIM, torch.float32) for _ in range(2)])
+    model.out = CastLinear(DIM, 4 * DIM, BF16)
+    model.extra = CastLinear(DIM, DIM, BF16)  # bf16 the majority: the fp32 stack is isolated
+    p = fsdptx.plan(model, fsdptx.shard_by_dtype)
+    assert ("stack",) in [u.modules for u in p.units]
+    monkeypatch.delattr(_Stack, "forward")
+    with pytest.raises(PlanMismatchError, match="'stack' is a _Stack without forward"):
+        apply(p, model)

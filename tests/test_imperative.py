@@ -5,6 +5,7 @@ MTP/CP guards."""
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from types import SimpleNamespace
 from typing import Any
@@ -532,14 +533,13 @@ def test_a_call_with_another_mixed_precision_policy_is_planned(
     assert planned[0] is model.layers[1]
 
 
-def test_a_call_with_an_offload_policy_of_another_value_is_planned(
-    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_offload_policy_that_is_no_policy_is_refused_as_without_the_memo(calls: imperative._CallMemo) -> None:
     model = make_decoder(2)
-    _call(model.layers[0], calls, offload_policy=CPUOffloadPolicy(pin_memory=True))
-    planned = _planned_in_full(monkeypatch)
-    _call(model.layers[1], calls, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    assert planned == [model.layers[1]]
+    by_dtype(model.layers[0], BF16_POLICY)
+    with pytest.raises(fsdptx.PlanMismatchError, match="offload_policy <class .*CPUOffloadPolicy.*> is not an OffloadPolicy"):
+        fsdptx.fully_shard_by_dtype(
+            model.layers[1], MESH, BF16_POLICY, CPUOffloadPolicy, shard_module=RecordingPrimitive()  # type: ignore[arg-type]
+        )
 
 
 def test_remembered_units_carry_this_calls_offload_policy_object(calls: imperative._CallMemo) -> None:
@@ -551,6 +551,43 @@ def test_remembered_units_carry_this_calls_offload_policy_object(calls: imperati
     _call(model.layers[0], calls, offload_policy=first)
     units = _call(model.layers[1], calls, offload_policy=second)
     assert units and all(u.offload_policy is second for u in units)
+
+
+def test_remembered_units_carry_this_calls_reshard_value() -> None:
+    """``0.0 == -0.0``: planning hands every unit the value the call gave,
+    and so does the memo (an invalid value is then named as given)."""
+    memo = imperative._CallMemo(limit=4)
+    model = make_decoder(2)
+    imperative._plan_call(model.layers[0], imperative._Call(BF16_POLICY, None, (), 0.0), None, memo)  # type: ignore[arg-type]
+    units, _ = imperative._plan_call(model.layers[1], imperative._Call(BF16_POLICY, None, (), -0.0), None, memo)  # type: ignore[arg-type]
+    assert len(memo) == 1 and units
+    assert all(math.copysign(1.0, u.reshard_after_forward) == -1.0 for u in units)  # type: ignore[arg-type]
+
+
+class _Stack(nn.ModuleList):
+    """A ModuleList subclass: a bare container until something gives it a forward."""
+
+
+def _stacked_block() -> nn.Module:
+    block = nn.Module()
+    block.norm = CastLinear(DIM, DIM, BF16)
+    block.stack = _Stack([CastLinear(DIM, DIM, FP32) for _ in range(2)])
+    block.out = CastLinear(DIM, 4 * DIM, BF16)
+    block.extra = CastLinear(DIM, DIM, BF16)  # bf16 the majority: the fp32 stack is isolated
+    return block
+
+
+def test_a_container_class_given_a_forward_after_a_call_is_planned_anew(
+    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a ModuleList class is a bare container depends on its
+    ``forward``, which a patch may add between two calls."""
+    _call(_stacked_block(), calls)
+    monkeypatch.setattr(_Stack, "forward", lambda self, x: x, raising=False)
+    block = _stacked_block()
+    planned = _planned_in_full(monkeypatch)
+    assert _call(block, calls) == _call(block, None)
+    assert planned[0] is block
 
 
 def test_a_block_holding_a_tied_parameter_is_always_planned(

@@ -25,6 +25,7 @@ from ._apply import ShardModule, apply_resolved, check_resolved
 from ._plan import CrossBlockRequest, DtypeRequest, Plan, Unit
 from ._planner import ModelIndex, resolve_units
 from ._snapshot import ModelWalk, walk_model
+from ._unit_checks import container_classes
 from ._transforms import _tuple_of_str
 
 __all__ = [
@@ -99,12 +100,11 @@ class _Call:
     reshard_after_forward: bool | int | None
 
     def key(self) -> tuple[object, ...] | None:
-        """The call as a memo key: an offload policy is a mutable dataclass,
-        so it is taken by value; ``None`` when some part is not hashable."""
-        offload = self.offload_policy
+        """The call as a memo key, or ``None`` when some part is not
+        hashable. The offload policy is not part of it: the planner only
+        hands it to every unit, and so does a hit (the call's own object)."""
         key = (
             self.mp_policy,
-            None if offload is None else (type(offload), dataclasses.astuple(offload)),
             self.tokens,
             # typed: True == 1, but reshard_after_forward=1 is not True
             (type(self.reshard_after_forward), self.reshard_after_forward),
@@ -114,6 +114,18 @@ class _Call:
         except TypeError:
             return None
         return key
+
+    def own(self, units: tuple[Unit, ...]) -> tuple[Unit, ...]:
+        """Remembered units with this call's own offload policy and
+        ``reshard_after_forward``, which planning hands every unit as they
+        are (a remembered call's may be equal values, or another policy)."""
+        offload, reshard = self.offload_policy, self.reshard_after_forward
+        return tuple(
+            u
+            if u.offload_policy is offload and u.reshard_after_forward is reshard
+            else dataclasses.replace(u, offload_policy=offload, reshard_after_forward=reshard)
+            for u in units
+        )
 
 
 @dataclass(frozen=True)
@@ -131,11 +143,13 @@ class _CallMemo:
     A model makes one call per block and its blocks are built alike, so
     every call after the first would plan the same units again. The memo
     holds a pure function's results: the key (:func:`_shape`) holds all
-    that planning one call reads (the call's settings; the module's tree,
-    classes and names; each parameter's slot, dtype, ``requires_grad``,
-    rank, size, compute-dtype hint and whether it is ignored), and a call's
-    FQNs are relative to its module, so equal keys give equal units. It
-    holds classes, policies and names, never a module or a parameter.
+    that planning one call reads (the call's settings, :meth:`_Call.key`;
+    the module's tree, classes and names, and which ModuleList/ModuleDict
+    classes are bare containers; each parameter's slot, dtype,
+    ``requires_grad``, rank, size, compute-dtype hint and whether it is
+    ignored), and a call's FQNs are relative to its module, so equal keys
+    give equal units. It holds classes, policies and names, never a module
+    or a parameter.
     """
 
     def __init__(self, limit: int) -> None:
@@ -177,6 +191,7 @@ def _shape(walk: ModelWalk, call: tuple[object, ...], ignored: list[bool]) -> tu
     shape = (
         call,
         tuple(walk.types),
+        container_classes(walk.types),
         tuple(walk.parents),
         tuple(walk.names),
         tuple(walk.owners),
@@ -227,10 +242,7 @@ def _plan_call(
         found = _Planned(units, tuple(tuple(walk.position[id(index.modules[f])] for f in u.modules) for u in units))
         if memo is not None and shape is not None:
             memo.put(shape, found)
-    units = found.units
-    if call.offload_policy is not None:  # this call's own policy object, not an equal one recorded
-        units = tuple(dataclasses.replace(u, offload_policy=call.offload_policy) for u in units)
-    return units, [[walk.modules[i] for i in at] for at in found.positions]
+    return call.own(found.units), [[walk.modules[i] for i in at] for at in found.positions]
 
 
 def _parameters(items: Iterable[object]) -> list[nn.Parameter]:

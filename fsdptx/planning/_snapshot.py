@@ -4,7 +4,9 @@ Planning needs FQN tables; ``apply_plan`` needs to know whether the model is
 still the one a plan was made from. Both come from the same pre-order walk,
 and the walk also yields a *signature*: the tree's shape (each module's
 parent and attribute name, and every further parent of a shared module),
-each module's identity and class, each parameter slot's module and name,
+each module's identity and class (with whether each ModuleList/ModuleDict
+class is a bare container, which a patch of its ``forward`` changes), each
+parameter slot's module and name,
 each parameter's identity, dtype, ``requires_grad`` and rank, and, in a model
 with tied parameters, the tie declarations that name them. Two walks with
 equal signatures saw the same tree holding the same parameters in the same
@@ -36,7 +38,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from ._unit_checks import module_problems, settings_problems
+from ._unit_checks import container_classes, module_problems, settings_problems
 
 if TYPE_CHECKING:
     from ._plan import Plan, Reduction, Unit
@@ -136,6 +138,7 @@ class ModelWalk:
             self.param_ids,
             self.facts,
             self.tie_declarations,
+            [container_classes(self.types)],
         )
 
 
@@ -160,13 +163,15 @@ _ABSENT = object()
 
 def _frozen_declaration(declared: object) -> object:
     """A tie declaration as a value a later walk compares with (a model may
-    change the very dict or list it declared)."""
+    change the very dict or list it declared). Its type is kept: the
+    planner reads a ``dict`` and a list-like differently from any other
+    mapping or value."""
     if isinstance(declared, Mapping):
-        return ("map", tuple(declared.items()))
+        return (type(declared), tuple(declared.items()))
     if isinstance(declared, (list, tuple, set, frozenset)):
         items = tuple(declared)
-        return ("set", frozenset(items)) if isinstance(declared, (set, frozenset)) else ("seq", items)
-    return ("other", declared)
+        return (type(declared), frozenset(items) if isinstance(declared, (set, frozenset)) else items)
+    return (type(declared), declared)
 
 
 def walk_model(root: nn.Module, *, enter_sharded: bool = True) -> ModelWalk:

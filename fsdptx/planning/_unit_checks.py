@@ -4,12 +4,14 @@ vouched for when the primitive would accept every unit as it stands."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 from ._plan import Unit
 
-__all__ = ["is_container", "module_problems", "settings_problems"]
+__all__ = ["container_classes", "is_container", "module_problems", "settings_problems"]
 
 
 def is_container(module: nn.Module) -> bool:
@@ -17,6 +19,16 @@ def is_container(module: nn.Module) -> bool:
     return (
         isinstance(module, (nn.ModuleList, nn.ModuleDict))
         and type(module).forward is nn.Module.forward
+    )
+
+
+def container_classes(types: Iterable[type]) -> frozenset[tuple[type, bool]]:
+    """Each ModuleList/ModuleDict class among ``types`` with whether it is a
+    container (:func:`is_container`). That depends on the class's
+    ``forward``, which a patch may add or remove after a class was seen:
+    whatever is derived from classes by identity keeps this next to them."""
+    return frozenset(
+        (t, t.forward is nn.Module.forward) for t in set(types) if issubclass(t, (nn.ModuleList, nn.ModuleDict))
     )
 
 
