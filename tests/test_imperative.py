@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
+import threading
 import weakref
 from types import SimpleNamespace
 from typing import Any
@@ -632,3 +634,32 @@ def test_reshard_after_forward_one_is_not_taken_for_true(calls: imperative._Call
     units, _ = imperative._plan_call(model.layers[1], imperative._Call(BF16_POLICY, None, (), 1), None, calls)
     assert {u.reshard_after_forward for u in recorded} == {True}
     assert {type(u.reshard_after_forward) for u in units} == {int}
+
+
+def test_the_memo_serves_calls_from_several_threads() -> None:
+    """Lookups reorder the entries and stores evict them: from several
+    threads at once, neither may fail the other. Threads switch every
+    microsecond here, so a lookup meets an eviction within the run."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    memo = imperative._CallMemo(limit=1)  # every store evicts what a lookup just found
+    entry = imperative._Planned((), ())
+    errors: list[BaseException] = []
+
+    def hammer(offset: int) -> None:
+        try:
+            for i in range(3000):
+                memo.put((offset + i % 2,), entry)
+                memo.get((offset + i % 2,))
+        except BaseException as e:  # noqa: BLE001 (any failure fails the test)
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(previous)
+    assert errors == [] and len(memo) <= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
@@ -155,18 +156,23 @@ class _CallMemo:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._entries: OrderedDict[tuple[object, ...], _Planned] = OrderedDict()
+        # Models may be parallelized from several threads of one process:
+        # a lookup's reordering must not meet another call's eviction.
+        self._lock = threading.Lock()
 
     def get(self, key: tuple[object, ...]) -> _Planned | None:
-        found = self._entries.get(key)
-        if found is not None:
-            self._entries.move_to_end(key)
-        return found
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
 
     def put(self, key: tuple[object, ...], planned: _Planned) -> None:
-        self._entries[key] = planned
-        self._entries.move_to_end(key)
-        if len(self._entries) > self.limit:
-            self._entries.popitem(last=False)
+        with self._lock:
+            self._entries[key] = planned
+            self._entries.move_to_end(key)
+            if len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._entries)
