@@ -32,7 +32,7 @@ import functools
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -60,7 +60,6 @@ ParamFacts = tuple[torch.dtype, bool, int]
 _FACTS = operator.attrgetter("dtype", "requires_grad", "ndim")
 _NDIM = operator.itemgetter(2)
 _DTYPE_GRAD = operator.itemgetter(0, 1)
-Signature = tuple[list[Any], ...]  # lists of ids, classes, positions, names, facts
 
 
 @dataclass(frozen=True)
@@ -107,29 +106,24 @@ class ModelWalk:
         return list(map(id, self.params))
 
     @functools.cached_property
+    def tied(self) -> bool:
+        """Whether some parameter fills two slots."""
+        return len(set(self.param_ids)) != len(self.params)
+
+    @functools.cached_property
     def tie_declarations(self) -> list[tuple[int, str, object]]:
-        """When some parameter fills two slots (a tie), what each module
-        declares about ties (``_tied_weights_keys``, ``all_tied_weights_keys``)
-        as plain values: a tied parameter's canonical name follows these
-        declarations, so a walk vouches for the names only while they hold.
-        Empty for a model without ties, whose names nothing declared decides."""
-        if len(set(self.param_ids)) == len(self.params):
-            return []
-        return [
-            (i, attr, _frozen_declaration(declared))
-            for i, module in enumerate(self.modules)
-            for attr in TIE_ATTRIBUTES
-            if (declared := declared_ties(module, attr)) is not None
-        ]
+        """In a tied model, what each module declares about ties (see
+        :func:`_tie_declarations`); empty for a model without ties, whose
+        names nothing declared decides."""
+        return _tie_declarations(self.modules) if self.tied else []
 
     @functools.cached_property
     def signature(self) -> Signature:
-        """Everything two walks must share for claims derived from one to
-        hold for the other. Identities are kept as ids, never objects, so a
-        Plan does not keep its model alive."""
-        return (
+        """This walk's :class:`Signature`."""
+        return Signature(
             list(self.position),  # module ids, in walk order
             self.types,
+            container_classes(self.types),
             self.parents,
             self.names,
             self.repeats,
@@ -137,8 +131,48 @@ class ModelWalk:
             self.slot_names,
             self.param_ids,
             self.facts,
+            self.tied,
             self.tie_declarations,
-            [container_classes(self.types)],
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Signature:
+    """Everything two walks must share for claims derived from one to hold
+    for the other. Identities are kept as ids, never objects, so a Plan does
+    not keep its model alive."""
+
+    module_ids: list[int]
+    types: list[type]
+    containers: frozenset[tuple[type, bool]]
+    parents: list[int]
+    names: list[str]
+    repeats: list[tuple[int, str, int]]
+    owners: list[int]
+    slot_names: list[str]
+    param_ids: list[int]
+    facts: list[ParamFacts]
+    tied: bool
+    tie_declarations: list[tuple[int, str, object]]
+
+    def matches(self, walk: ModelWalk) -> bool:
+        """Whether ``walk`` has this signature, reading from it only what
+        the comparison so far leaves open: with the same classes, only the
+        recorded container classes are asked for their ``forward`` again;
+        with the same parameter ids in the same slots, an untied model is
+        still untied and its tie declarations are not read."""
+        return (
+            list(walk.position) == self.module_ids
+            and walk.types == self.types
+            and container_classes(t for t, _ in self.containers) == self.containers
+            and walk.parents == self.parents
+            and walk.names == self.names
+            and walk.repeats == self.repeats
+            and walk.owners == self.owners
+            and walk.slot_names == self.slot_names
+            and walk.param_ids == self.param_ids
+            and walk.facts == self.facts
+            and (not self.tied or _tie_declarations(walk.modules) == self.tie_declarations)
         )
 
 
@@ -159,6 +193,19 @@ def declared_ties(module: nn.Module, attr: str) -> object:
 
 
 _ABSENT = object()
+
+
+def _tie_declarations(modules: list[nn.Module]) -> list[tuple[int, str, object]]:
+    """What each module declares about ties (``_tied_weights_keys``,
+    ``all_tied_weights_keys``) as plain values, by walk position: a tied
+    parameter's canonical name follows these declarations, so a walk
+    vouches for the names only while they hold."""
+    return [
+        (i, attr, _frozen_declaration(declared))
+        for i, module in enumerate(modules)
+        for attr in TIE_ATTRIBUTES
+        if (declared := declared_ties(module, attr)) is not None
+    ]
 
 
 def _frozen_declaration(declared: object) -> object:
@@ -291,7 +338,7 @@ def vouched_modules(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]]
     if plan.exclusions and vouched.exclusions is not plan.exclusions:
         return None
     walk = walk_model(model)
-    if walk.signature != vouched.signature:
+    if not vouched.signature.matches(walk):
         return None
     found = walk.modules
     return [[found[i] for i in at] for at in vouched.positions], {f: found[i] for f, i in vouched.marked.items()}
