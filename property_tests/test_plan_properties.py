@@ -33,6 +33,7 @@ from fsdptx.planning._imperative import _Call, _CallMemo, _plan_call
 from fsdptx.planning._plan import DtypeRequest
 from fsdptx.planning._planner import resolve_units
 from fsdptx.planning._snapshot import vouched_modules
+from fsdptx.tp._marks import reductions_by_module
 from fsdptx.testing import fake_mesh
 from fsdptx.testing.strategies import ModuleSpec, TreeSpec, build_module, tree_specs
 
@@ -381,10 +382,12 @@ def test_planning_vouches_only_for_what_the_full_check_accepts(
         return
     vouched = vouched_modules(p, model)
     assert vouched is not None
-    units, marked = vouched
+    units, (reduced, excluded) = vouched
     full = _check_in_full(p, model)
     assert [[id(m) for m in ms] for ms in units] == [[id(m) for m in ms] for ms in full]
-    assert {f: id(m) for f, m in marked.items()} == {f: id(model.get_submodule(f)) for f in marked}
+    by_module = reductions_by_module(p.reductions)
+    assert [(id(m), dict(r)) for m, r in reduced] == [(id(model.get_submodule(f)), r) for f, r in by_module.items()]
+    assert [id(m) for m in excluded] == [id(model.get_submodule(f)) for f in p.exclusions]
 
 
 @st.composite

@@ -19,11 +19,11 @@ from torch.distributed.tensor.parallel import parallelize_module as torch_parall
 from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, create_selective_checkpoint_contexts
 
 from .._args import require_module
-from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions
+from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions, reductions_by_module
 from .._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
 from ._plan import Checkpointing, Plan, Reduction, Unit
 from ._planner import ModelIndex, claim
-from ._snapshot import vouched_modules
+from ._snapshot import MarkTargets, vouched_modules
 from ._unit_checks import module_problems, settings_problems
 from .._policy import primitive_policy
 from .._tree import get_module_from_path
@@ -70,11 +70,11 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     return _checked(plan, model)[0]
 
 
-def _checked(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]], Mapping[str, nn.Module]]:
-    """:func:`check_plan`'s modules, and the modules the marks name when a
-    vouched plan's walk found them (else none: they are looked up by FQN)."""
+def _checked(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]], MarkTargets | None]:
+    """:func:`check_plan`'s modules, and the modules the marks go to when a
+    vouched plan's walk found them (else ``None``: looked up by FQN)."""
     vouched = vouched_modules(plan, model)
-    return (_check_in_full(plan, model), {}) if vouched is None else vouched
+    return (_check_in_full(plan, model), None) if vouched is None else vouched
 
 
 def check_resolved(plan: Plan, resolved: list[list[nn.Module]]) -> list[list[nn.Module]]:
@@ -357,13 +357,13 @@ def apply_plan(
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
     require_module(model, "model", "apply_plan")
-    resolved, marked = _checked(plan, model)
+    resolved, marks = _checked(plan, model)
     return apply_resolved(
         plan,
         model,
         mesh,
         resolved,
-        marked=marked,
+        marks=marks,
         moe_mesh=moe_mesh,
         shard_module=shard_module,
         parallelize_module=parallelize_module,
@@ -377,7 +377,7 @@ def apply_resolved(
     mesh: DeviceMesh,
     resolved: list[list[nn.Module]],
     *,
-    marked: Mapping[str, nn.Module] | None = None,
+    marks: MarkTargets | None = None,
     moe_mesh: DeviceMesh | None = None,
     shard_module: ShardModule = fully_shard,
     parallelize_module: ParallelizeModule = torch_parallelize_module,
@@ -387,14 +387,8 @@ def apply_resolved(
     ``resolved`` holds each unit's modules: the mesh, checkpointing and
     prefetch checks, then the effects. The imperative API comes here
     directly, its units resolved from the index it has just built.
-    ``marked`` holds modules the marks name, already found by FQN; any
-    other is looked up."""
-    found = marked or {}
-
-    def module_at(fqn: str) -> nn.Module:
-        module = found.get(fqn)
-        return get_module_from_path(model, fqn) if module is None else module
-
+    ``marks`` holds the modules the marks go to when they are known
+    already; else they are looked up by FQN."""
     problems = _check_against_mesh(plan, model, mesh, moe_mesh)
     problems += _check_checkpointing(plan.checkpointing, model)
     problems += _check_prefetch(plan)
@@ -426,12 +420,14 @@ def apply_resolved(
         from ._imperative import configure_fsdp_unused_param_reduction  # local: _imperative applies plans
 
         configure_fsdp_unused_param_reduction(model)
-    by_module: dict[str, dict[str, Reduction]] = {}
-    for pfqn, reduction in plan.reductions.items():
-        module_fqn, _, name = pfqn.rpartition(".")
-        by_module.setdefault(module_fqn, {})[name] = reduction
-    for module_fqn, marks in by_module.items():
-        mark_parameter_reductions(module_at(module_fqn), marks)
-    for mfqn in plan.exclusions:
-        exclude_from_tp_replica_sync(module_at(mfqn))
+    if marks is None:
+        marks = (
+            [(get_module_from_path(model, f), m) for f, m in reductions_by_module(plan.reductions).items()],
+            [get_module_from_path(model, f) for f in plan.exclusions],
+        )
+    reduced, excluded = marks
+    for module, reductions in reduced:
+        mark_parameter_reductions(module, reductions)
+    for module in excluded:
+        exclude_from_tp_replica_sync(module)
     return model

@@ -38,14 +38,18 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..tp._marks import reductions_by_module
 from ._unit_checks import container_classes, module_problems, settings_problems
 
+from ._plan import Reduction
+
 if TYPE_CHECKING:
-    from ._plan import Plan, Reduction, Unit
+    from ._plan import Plan, Unit
     from ._planner import ModelIndex
 
 __all__ = [
     "TIE_ATTRIBUTES",
+    "MarkTargets",
     "ModelWalk",
     "Vouched",
     "declared_ties",
@@ -276,14 +280,22 @@ class Vouched:
     against a model whose walk had this signature, and are found, in walk
     order, at ``positions``. ``reductions``/``exclusions`` (these very
     objects) were checked against the same model, or are ``None``; then
-    ``marked`` holds the walk position of each module they name."""
+    ``marks`` holds, per module holding marked parameters, its walk
+    position and its marks by local name, and ``excluded`` the walk
+    position of each excluded module."""
 
     signature: Signature
     units: tuple[Unit, ...]
     positions: tuple[tuple[int, ...], ...]
     reductions: Mapping[str, Reduction] | None = None
     exclusions: tuple[str, ...] | None = None
-    marked: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    marks: tuple[tuple[int, Mapping[str, Reduction]], ...] = ()
+    excluded: tuple[int, ...] = ()
+
+
+# The modules a plan's marks go to: per module holding marked parameters,
+# its marks by local name; and the excluded modules.
+MarkTargets = tuple[list[tuple[nn.Module, Mapping[str, Reduction]]], list[nn.Module]]
 
 
 def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
@@ -317,19 +329,19 @@ def vouch_marks(index: ModelIndex, plan: Plan) -> object:
     if not named:
         return vouched
     position, modules = index.walk.position, index.modules
-    owners = {f.rpartition(".")[0] for f in plan.reductions}.union(plan.exclusions)
     return dataclasses.replace(
         vouched,
         reductions=plan.reductions,
         exclusions=plan.exclusions,
-        marked={f: position[id(modules[f])] for f in owners},
+        marks=tuple((position[id(modules[f])], m) for f, m in reductions_by_module(plan.reductions).items()),
+        excluded=tuple(position[id(modules[f])] for f in plan.exclusions),
     )
 
 
-def vouched_modules(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]], dict[str, nn.Module]] | None:
-    """Each unit's modules, and each module the marks name (by FQN), when
-    the plan is vouched for and ``model`` walks to the same signature;
-    ``None`` when anything calls for the full check."""
+def vouched_modules(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]], MarkTargets] | None:
+    """Each unit's modules, and the modules the marks go to, when the plan
+    is vouched for and ``model`` walks to the same signature; ``None`` when
+    anything calls for the full check."""
     vouched = plan.verified
     if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
         return None
@@ -341,4 +353,5 @@ def vouched_modules(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]]
     if not vouched.signature.matches(walk):
         return None
     found = walk.modules
-    return [[found[i] for i in at] for at in vouched.positions], {f: found[i] for f, i in vouched.marked.items()}
+    units = [[found[i] for i in at] for at in vouched.positions]
+    return units, ([(found[i], m) for i, m in vouched.marks], [found[i] for i in vouched.excluded])

@@ -66,6 +66,17 @@ def mark_tp_replica_gradient_reduction(module: nn.Module, reduction: Reduction) 
     )
 
 
+def reductions_by_module(reductions: Mapping[str, Reduction]) -> dict[str, dict[str, Reduction]]:
+    """A plan's marks (parameter FQN -> reduction) grouped by the FQN of the
+    module holding each parameter, by the parameter's local name: what
+    :func:`mark_parameter_reductions` takes, once per module."""
+    by_module: dict[str, dict[str, Reduction]] = {}
+    for fqn, reduction in reductions.items():
+        module_fqn, _, name = fqn.rpartition(".")
+        by_module.setdefault(module_fqn, {})[name] = reduction
+    return by_module
+
+
 def mark_parameter_reductions(module: nn.Module, reductions: Mapping[str, Reduction]) -> None:
     """Mark direct parameters (by local name) of one module; what ``apply_plan`` uses."""
     marks: dict[str, Reduction] = dict(module_reductions(module))
