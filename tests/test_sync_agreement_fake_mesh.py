@@ -268,6 +268,96 @@ def test_replacing_a_modules_parameter_dict_invalidates_the_cache(mesh: DeviceMe
     assert synchronize_tp_replica_gradients(model, mesh) == 4
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.double(),
+        lambda m: setattr(m.b.weight, "data", torch.zeros(4)),
+        lambda m: torch.utils.swap_tensors(m.b.weight, nn.Parameter(torch.zeros(2, 2, dtype=torch.float16))),
+    ],
+    ids=["cast", "data_shape", "swap_tensors"],
+)
+def test_changing_a_parameter_in_place_invalidates_the_cache(mesh: DeviceMesh, change: Any) -> None:
+    """The same Parameter objects under the same names, but the digest the
+    peers compare must describe their dtype and shape now."""
+    model = _model()
+    synchronize_tp_replica_gradients(model, mesh)
+    layout = _layout_of(model)
+    change(model)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    synchronize_tp_replica_gradients(model, mesh)
+    rebuilt = _layout_of(model)
+    assert rebuilt is not layout
+    fresh = _model()
+    change(fresh)
+    for p in fresh.parameters():
+        p.grad = torch.ones_like(p) * 4
+    synchronize_tp_replica_gradients(fresh, mesh)
+    assert rebuilt.descriptions == _layout_of(fresh).descriptions and rebuilt.digest == _layout_of(fresh).digest
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
+
+
+def test_broadcast_after_a_cast_does_not_round_through_the_old_buffer(mesh: DeviceMesh) -> None:
+    model = nn.Linear(2, 2, bias=False)
+    broadcast_tp_replicas(model, mesh)
+    model.double()
+    with torch.no_grad():
+        model.weight.fill_(1 / 3)
+    broadcast_tp_replicas(model, mesh)
+    assert model.weight.dtype == torch.float64
+    assert torch.equal(model.weight, torch.full((2, 2), 1 / 3, dtype=torch.float64))
+
+
+def test_a_remembered_mesh_that_died_does_not_answer_for_no_mesh() -> None:
+    """A dead weak reference reads as None, which is what ``device_mesh``
+    is when there is nothing to synchronize."""
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _model()
+    with fake_mesh((2,), ("tp",)):
+        m = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        for _ in range(2):  # the first call makes the cache, the second remembers the context on it
+            synchronize_tp_replica_gradients(model, m)
+        group = m.get_group()  # kept alive, as torch.distributed's registry keeps a real one
+        del m
+        gc.collect()
+        assert model.__dict__["_fsdptx_tp_layouts"].context.mesh() is None
+        for p in model.parameters():
+            p.grad = torch.ones_like(p) * 4
+        with record_collectives() as calls:
+            assert synchronize_tp_replica_gradients(model, None) == 0
+            assert broadcast_tp_replicas(model, None) == 0
+        assert calls == [] and group is not None
+        assert all(torch.equal(p.grad, torch.full_like(p, 4.0)) for p in model.parameters())
+
+
+def test_a_dtensor_gradient_on_a_plain_parameter_is_reduced_through_its_local_storage() -> None:
+    """Laid out by its rank-local shape, like every DTensor gradient; it
+    used to be laid out by its global shape and fail after earlier chunks
+    were already reduced."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        model = nn.Module()
+        model.a = nn.Parameter(torch.zeros(5))
+        model.b = nn.Parameter(torch.zeros(4, 2))
+        model.a.grad = torch.full((5,), 4.0)
+        model.b.grad = distribute_tensor(torch.full((4, 2), 4.0), mesh, [Shard(0), Replicate()])
+        assert synchronize_tp_replica_gradients(model, mesh, max_bytes=24) == 2
+        assert torch.equal(model.a.grad, torch.full((5,), 2.0))
+        assert torch.equal(model.b.grad.to_local(), torch.full((2, 2), 2.0))
+
+
+@pytest.mark.parametrize("call", [synchronize_tp_replica_gradients, broadcast_tp_replicas])
+def test_empty_model_parts_raise_before_any_collective(mesh: DeviceMesh, call: Any) -> None:
+    with record_collectives() as calls, pytest.raises(ValueError, match="model_parts is empty"):
+        call([], mesh)
+    assert calls == []
+
+
 def test_an_unchanged_model_keeps_its_cached_layout(mesh: DeviceMesh) -> None:
     model = _model()
     synchronize_tp_replica_gradients(model, mesh)

@@ -120,6 +120,30 @@ def _scenarios(rank: int, mesh: DeviceMesh) -> dict[str, dict[str, Any]]:
             else:
                 mark_tp_replica_gradient_reduction(model.a, "sum")
         out[case] = _attempt(model, lambda m, b=max_bytes: sync(m, max_bytes=b))
+    # 7. a parameter changed in place after a first call (same Parameter
+    # object, new dtype or shape): the cached layout and buffer must not
+    # stand in for it, so the peers see the difference and refuse together
+    for case, change in (("cached_b_cast", "cast"), ("cached_b_data_shape", "data")):
+        model = _model(rank)
+        bcast(model)
+        if rank == 1:
+            if change == "cast":
+                model.double()
+            else:
+                model.w.data = torch.zeros(3, 2)
+        out[case] = _attempt(model, lambda m: bcast(m))
+    # 8. both ranks cast after a first call, and only rank 1 rebuilds its
+    # layout for another reason (a parameter-free submodule): both layouts
+    # describe fp64 parameters, so the peers agree and reduce
+    model = _model(rank)
+    sync(model)
+    model.double()
+    if rank == 1:
+        model.extra = nn.Identity()
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * (rank + 1) + i
+    out["cast_both"] = _attempt(model, lambda m: sync(m))
+    out["cast_both"]["w"] = model.w.grad.clone()  # type: ignore[union-attr]
     # the group is still usable: a clean sync reduces exactly
     clean = _model(rank)
     out["clean"] = _attempt(clean, lambda m: sync(m))
@@ -152,6 +176,8 @@ def _results() -> list[dict[str, dict[str, Any]]]:
         ("cached_sparse", "RuntimeError", ("sparse", "a.bias")),
         ("cached_max_bytes", "RuntimeError", ("max_bytes", "rank 1: 4096")),
         ("cached_marks", "RuntimeError", ("a.weight", "sum", "mean")),
+        ("cached_b_cast", "RuntimeError", ("a.weight", "float32", "float64")),
+        ("cached_b_data_shape", "RuntimeError", ("w:", "(2, 3)", "(3, 2)")),
     ],
 )
 def test_disagreement_or_bad_argument_raises_on_every_rank_changing_nothing(
@@ -182,3 +208,13 @@ def test_group_stays_usable_after_every_refused_call() -> None:
     # w is the first parameter (i = 0): the mean of x*1 and x*2
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     assert torch.equal(a["w"], w * 1.5)
+
+
+def test_peers_that_all_cast_after_a_cached_call_agree_whichever_rebuilt_its_layout() -> None:
+    """The layout digest describes the parameters as they are now, not as
+    they were when one rank cached it."""
+    results = _results()
+    w = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    for rank in range(WORLD):
+        assert results[rank]["cast_both"]["error"] is None, results[rank]["cast_both"]["error"]
+        assert torch.equal(results[rank]["cast_both"]["w"], w * 1.5)

@@ -96,7 +96,7 @@ def _check_arguments(
     if type(max_bytes) is int and max_bytes > 0 and type(tp_axis_name) is str:  # the common case, cheaply
         if isinstance(model_parts, nn.Module):
             parts = [model_parts]
-        elif type(model_parts) is list and all(isinstance(m, nn.Module) for m in model_parts):
+        elif type(model_parts) is list and model_parts and all(isinstance(m, nn.Module) for m in model_parts):
             parts = list(model_parts)
         else:
             parts = None
@@ -108,6 +108,8 @@ def _check_arguments(
         parts = list(model_parts)
     else:
         raise TypeError(f"{where}: model_parts must be an nn.Module or a sequence of them, got {model_parts!r}")
+    if not parts:
+        raise ValueError(f"{where}: model_parts is empty; pass the model, or every pipeline stage this rank holds")
     if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"{where}: device_mesh must be a DeviceMesh or None, got {type(device_mesh).__name__}")
     if not isinstance(tp_axis_name, str):
@@ -185,8 +187,9 @@ class _RememberedContext:
     def recall(self, device_mesh: DeviceMesh | None, tp_axis_name: str) -> _TPContext | None:
         """The context for this mesh and axis, or ``None`` when it is another
         one or either reference died."""
-        if self.mesh() is not device_mesh or self.axis != tp_axis_name:
-            return None
+        mesh = self.mesh()
+        if mesh is None or mesh is not device_mesh or self.axis != tp_axis_name:
+            return None  # a dead mesh is None, which must not match device_mesh=None
         group = self.group()
         if group is None:
             return None
@@ -269,6 +272,12 @@ def _walk(parts: list[nn.Module]) -> tuple[list[_Entry], list[_Entry], list[nn.M
     return kept(params), kept(buffers), modules
 
 
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_DEVICE = operator.attrgetter("device")
+_PLACEMENTS = operator.attrgetter("placements")
+_MESH = operator.attrgetter("device_mesh")
+_LOCAL_TENSOR = operator.attrgetter("_local_tensor")
 _PARAMETERS = operator.attrgetter("_parameters")
 _MODULES = operator.attrgetter("_modules")
 _BUFFERS = operator.attrgetter("_buffers")
@@ -320,6 +329,15 @@ class _Structure:
         )
 
 
+def _localized(tensors: list[torch.Tensor], at: list[int], dtensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` with the DTensors ``dtensors``, found at positions ``at``,
+    replaced by their rank-local storage."""
+    local = tensors[:]
+    for i, t in zip(at, map(_LOCAL_TENSOR, dtensors)):
+        local[i] = t
+    return local
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """Rank-local storage of a tensor or DTensor (writes reach the original)."""
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -349,6 +367,12 @@ class _Layout:
 
     Rebuilt only when :meth:`valid` says the model or its marks changed, so
     the per-call cost is a few identity checks instead of a walk and a sort.
+    Identity is not enough for the tensors themselves: a cast
+    (``model.double()``), ``p.data = ...`` or ``swap_tensors`` keeps each
+    Parameter object but changes what the descriptions and digest say and
+    what a cached buffer was laid out for, so :meth:`valid` also compares
+    every entry's rank-local dtype, shape and device, and each DTensor's
+    placements and mesh, with what the layout was derived from.
     """
 
     key: tuple[object, ...]
@@ -357,6 +381,7 @@ class _Layout:
     descriptions: list[str]  # per entry: dtype, local shape, placements, mark
     local_dtypes: list[torch.dtype]
     local_shapes: list[torch.Size]
+    local_devices: list[torch.device]
     placements: list[tuple[object, ...] | None]
     digest: int
     plan: _Plan | None = None  # the last per-call plan, with its buffer
@@ -366,15 +391,35 @@ class _Layout:
     grad_types: list[type] = field(default_factory=list)
     dtensors: list[int] = field(default_factory=list)
     dtensor_placements: list[tuple[object, ...]] = field(default_factory=list)
+    dtensor_meshes: list[DeviceMesh] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tensors = [e.tensor for e in self.entries]
         self.grad_types = [DTensor if p is not None else torch.Tensor for p in self.placements]
         self.dtensors = [i for i, p in enumerate(self.placements) if p is not None]
         self.dtensor_placements = [p for p in self.placements if p is not None]
+        self.dtensor_meshes = [self.tensors[i].device_mesh for i in self.dtensors]  # type: ignore[attr-defined]
 
     def valid(self, key: tuple[object, ...]) -> bool:
-        return key == self.key and self.structure.unchanged()
+        return key == self.key and self.structure.unchanged() and self._tensors_unchanged()
+
+    def _tensors_unchanged(self) -> bool:
+        """Every entry still has the rank-local dtype, shape and device (and a
+        DTensor the placements and mesh) the layout was derived from; C-level
+        maps over all entries, as in :func:`_common_grads`."""
+        local = self.tensors
+        if self.dtensors:
+            dt = [local[i] for i in self.dtensors]
+            if [*map(_PLACEMENTS, dt)] != self.dtensor_placements:
+                return False
+            if not all(map(operator.is_, map(_MESH, dt), self.dtensor_meshes)):
+                return False
+            local = _localized(local, self.dtensors, dt)
+        return (
+            [*map(_DTYPE, local)] == self.local_dtypes
+            and [*map(_SHAPE, local)] == self.local_shapes
+            and [*map(_DEVICE, local)] == self.local_devices
+        )
 
 
 _CACHE_ATTR = "_fsdptx_tp_layouts"
@@ -432,6 +477,7 @@ def _layout(
         descriptions=descriptions,
         local_dtypes=[_local(e.tensor).dtype for e in entries],
         local_shapes=[_local(e.tensor).shape for e in entries],
+        local_devices=[_local(e.tensor).device for e in entries],
         placements=[tuple(e.tensor.placements) if isinstance(e.tensor, DTensor) else None for e in entries],
         digest=_digest(f"{op} max_bytes={max_bytes}\n{text}"),
     )
@@ -1049,7 +1095,9 @@ def _grad_states(
             grads.append(p)
             continue
         if placements is None:
-            local, same = g, not isinstance(g, DTensor)
+            # A DTensor gradient on a plain parameter travels through its
+            # local storage like any other, described as a deviation.
+            local, same = (g._local_tensor, False) if isinstance(g, DTensor) else (g, True)
         elif isinstance(g, DTensor):
             local = g._local_tensor
             same = g.placements == placements and g.device_mesh is p.device_mesh  # type: ignore[attr-defined]
@@ -1069,10 +1117,6 @@ def _grad_states(
 
 _GRAD = operator.attrgetter("grad")
 _LAYOUT = operator.attrgetter("layout")
-_DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
-_PLACEMENTS = operator.attrgetter("placements")
-_MESH = operator.attrgetter("device_mesh")
 
 
 def _common_grads(layout: _Layout) -> list[torch.Tensor] | None:
@@ -1092,14 +1136,11 @@ def _common_grads(layout: _Layout) -> list[torch.Tensor] | None:
     local = grads
     if layout.dtensors:
         dt = [grads[i] for i in layout.dtensors]
-        params = [layout.tensors[i] for i in layout.dtensors]
         if [*map(_PLACEMENTS, dt)] != layout.dtensor_placements:
             return None
-        if not all(map(operator.is_, map(_MESH, dt), map(_MESH, params))):
+        if not all(map(operator.is_, map(_MESH, dt), layout.dtensor_meshes)):
             return None
-        local = grads[:]
-        for i, g in zip(layout.dtensors, dt):
-            local[i] = g._local_tensor
+        local = _localized(grads, layout.dtensors, dt)
     if [*map(_DTYPE, local)] != layout.local_dtypes or [*map(_SHAPE, local)] != layout.local_shapes:
         return None
     return local
