@@ -53,6 +53,15 @@ def qwen3_tied(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.
     return build_hf_model("qwen3", {**_DENSE, "tie_word_embeddings": True}, dtype=dtype, device=device)
 
 
+def olmo2(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Olmo2: its TP plan gathers the outputs of q/k/v (``colwise_gather_output``,
+    for q/k norms over all heads) and splits o_proj's input
+    (``rowwise_split_input``). No fp32 holders. Not in :data:`ZOO`: the
+    sequence-parallel parity test uses it for that plan."""
+    overrides = {**_DENSE, "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    return build_hf_model("olmo2", overrides, dtype=dtype, device=device)
+
+
 def qwen3_moe(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Qwen3-MoE, 4 experts (top-2) of width 32 fused in ``mlp.experts``
     (3-D ``gate_up_proj``/``down_proj``) beside the ``mlp.gate`` router. No fp32 holders."""

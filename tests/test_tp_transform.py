@@ -16,7 +16,13 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from fsdptx import Plan, PlanningError, compose, mark_reduction, plan, shard_by_dtype, tensor_parallel
 from fsdptx.presets import Decoder, DecoderConfig
@@ -103,6 +109,8 @@ def test_style_names_map_to_torch_styles_with_the_documented_layouts(name: str) 
     assert _layouts(_styles(_tp(_decoder(), plan={fqn: name}))[fqn]) == want
 
 
+# Sequence parallelism needs a TP block stack to shard the sequence for.
+_A_STACK = {"layers.*.mlp.down_proj": "rowwise"}
 _SP: dict[str, tuple[str, tuple[type, tuple[Any, ...], tuple[Any, ...]]]] = {
     "rowwise": ("layers.0.attn.o_proj", (RowwiseParallel, (Shard(-1),), (Shard(1),))),
     "colwise_rep": ("lm_head", (ColwiseParallel, (Shard(1),), (Replicate(),))),
@@ -113,13 +121,15 @@ _SP: dict[str, tuple[str, tuple[type, tuple[Any, ...], tuple[Any, ...]]]] = {
 @pytest.mark.parametrize("name", list(_SP))
 def test_sequence_parallel_variants_put_the_stream_on_the_sequence_dim(name: str) -> None:
     fqn, want = _SP[name]
-    assert _layouts(_styles(_tp(_decoder(), plan={fqn: name}, sequence_parallel=True))[fqn]) == want
+    sp_plan = {**_A_STACK, fqn: name}
+    assert _layouts(_styles(_tp(_decoder(), plan=sp_plan, sequence_parallel=True))[fqn]) == want
 
 
 def test_under_sequence_parallelism_the_embedding_returns_the_whole_sequence() -> None:
     """Models derive positions (rotary tables, masks) from the embedding
     output's length, so it stays whole; the first block slices it."""
-    style = _styles(_tp(_decoder(), plan={"embed_tokens": "embedding_rowwise"}, sequence_parallel=True))["embed_tokens"]
+    sp_plan = {**_A_STACK, "embed_tokens": "embedding_rowwise"}
+    style = _styles(_tp(_decoder(), plan=sp_plan, sequence_parallel=True))["embed_tokens"]
     assert _layouts(style) == (RowwiseParallel, (Replicate(),), (Replicate(),))
 
 
@@ -318,3 +328,51 @@ def test_without_sequence_parallelism_no_sum_mark_is_derived_for_stream_modules(
     model = Decoder(DecoderConfig(vocab=16, dim=8, hidden=16, layers=2, fp32_holders=True))
     p = plan(model, tensor_parallel)
     assert not [k for k in p.reductions if "sinks" in k]
+
+
+# ------------------------------------------- sequence parallelism: boundaries
+
+
+_GATHERED_QKV = {
+    "layers.*.attn.q_proj": "colwise_gather_output",
+    "layers.*.attn.k_proj": "colwise_gather_output",
+    "layers.*.attn.v_proj": "colwise_gather_output",
+    "layers.*.attn.o_proj": "rowwise_split_input",
+}
+
+
+def test_under_sequence_parallelism_gathered_projections_in_a_block_take_the_parents_gathered_input() -> None:
+    """Olmo2's and Phi3's plans: the attention module gathers the sequence
+    once, so each projection takes it replicated (the plain layout), not
+    as a sequence shard it would gather again."""
+    styles = _styles(_tp(_decoder(), plan=_GATHERED_QKV, sequence_parallel=True))
+    assert isinstance(styles["layers.0.attn"], GatherSequence)
+    q = styles["layers.0.attn.q_proj"]
+    assert isinstance(q, ColwiseParallel)
+    assert q.input_layouts == (Replicate(),) and q.output_layouts == (Replicate(),)
+    o = styles["layers.0.attn.o_proj"]
+    assert isinstance(o, RowwiseParallel) and o.output_layouts == (Shard(1),)
+
+
+def test_under_sequence_parallelism_a_gathered_output_head_still_takes_the_sequence_shard() -> None:
+    styles = _styles(_tp(_decoder(), sequence_parallel=True))
+    head = styles["lm_head"]
+    assert isinstance(head, ColwiseParallel) and head.input_layouts == (Shard(1),)
+
+
+def test_sequence_parallelism_without_a_tp_block_stack_is_an_error_naming_what_the_plan_covers() -> None:
+    """Nothing would shard the sequence, yet the head would read its whole
+    input as one rank's slice (GPT-OSS's declared plan: logits for twice
+    the tokens)."""
+    only_ends = {"embed_tokens": "embedding_rowwise", "lm_head": "colwise_rep"}
+    with pytest.raises(PlanningError, match=r"no block stack.*'embed_tokens', 'lm_head'.*sequence_parallel=False"):
+        _tp(_decoder(), plan=only_ends, sequence_parallel=True)
+    with pytest.raises(PlanningError, match="no block stack"):
+        _tp(_decoder(), plan={}, sequence_parallel=True)
+
+
+def test_under_sequence_parallelism_a_head_outside_the_plan_gets_the_gathered_sequence_as_a_plain_tensor() -> None:
+    without_head = {k: v for k, v in _decoder()._tp_plan.items() if k != "lm_head"}
+    styles = _styles(_tp(_decoder(), plan=without_head, sequence_parallel=True))
+    gather = styles["lm_head"]
+    assert isinstance(gather, PrepareModuleInput) and gather.use_local_output

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor import Replicate
 
 from ..planning._plan import Plan, Reduction, TensorParallel, TPAssignment
-from ..planning._planner import ModelIndex, PlanningError
+from ..planning._planner import ModelIndex, PlanningError, _preview
 from ._styles import (
     REPLICA_SUM_STYLES,
     UNSUPPORTED_STYLES,
@@ -155,6 +155,15 @@ def tensor_parallel(
         raise PlanningError("tensor_parallel: the TP plan does not fit the model:\n  - " + "\n  - ".join(problems))
     if sequence_parallel:
         stacks = _tp_stacks(index, assigned)
+        if not stacks:
+            # Without a TP block stack nothing shards the sequence, yet the
+            # head's sequence-parallel style would read its whole-sequence
+            # input as one rank's slice: logits for twice the tokens.
+            raise PlanningError(
+                "tensor_parallel: sequence_parallel=True, but the TP plan parallelizes no block stack "
+                f"(it covers {_preview(sorted(assigned)) or 'no module'}), so no block would run on a "
+                "sequence shard; use sequence_parallel=False, or a TP plan that shards the blocks' projections"
+            )
         _add_sequence_boundaries(model, index, assigned, stacks)
         for fqn in _on_sequence_shard(index, assigned, stacks):
             _mark_sum(index, fqn, reductions, "<sequence parallel>", problems)
@@ -194,6 +203,10 @@ def _tp_stacks(index: ModelIndex, assigned: dict[str, TPAssignment]) -> dict[str
     }
 
 
+# Colwise styles whose input, inside a block, is gathered once at the parent.
+_GATHERED_AT_PARENT = frozenset({"colwise", "colwise_rep", "colwise_gather_output"})
+
+
 def _add_sequence_boundaries(
     model: nn.Module, index: ModelIndex, assigned: dict[str, TPAssignment], stacks: dict[str, list[str]]
 ) -> None:
@@ -206,10 +219,17 @@ def _add_sequence_boundaries(
     backbones = {parent.rpartition(".")[0] for parent in stacks}
     for fqn in sorted(assigned):
         a = assigned[fqn]
-        if isinstance(a.parallel_style, ColwiseParallel) and a.style == "colwise":
-            parent = fqn.rpartition(".")[0]
-            if parent not in assigned and parent not in blocks and parent not in backbones:
-                assigned[parent] = TPAssignment(parent, "gather_sequence (sp)", "<sequence parallel>", GatherSequence())
+        if not isinstance(a.parallel_style, ColwiseParallel) or a.style not in _GATHERED_AT_PARENT:
+            continue
+        parent = fqn.rpartition(".")[0]
+        if parent in blocks or parent in backbones or not any(fqn.startswith(b + ".") for b in blocks):
+            continue  # not inside a block's submodule (an output head gathers for itself)
+        if a.style != "colwise":
+            # Inside a block its input is the parent's gathered sequence, not
+            # a shard: the plain layout (Olmo2's and Phi3's q/k/v projections).
+            a = assigned[fqn] = TPAssignment(fqn, a.style, a.pattern, style_for(a.style, index.modules[fqn], False))
+        if parent not in assigned:
+            assigned[parent] = TPAssignment(parent, "gather_sequence (sp)", "<sequence parallel>", GatherSequence())
     for fqn, module in index.modules.items():
         parent = fqn.rpartition(".")[0]
         if fqn and fqn not in assigned and _is_norm(module) and (parent in blocks or parent in backbones):
@@ -221,7 +241,8 @@ def _add_sequence_boundaries(
             assigned[first] = TPAssignment(first, "shard_sequence (sp)", "<sequence parallel>", ShardSequence())
     head = _output_head(model, index)
     if head is not None and head not in assigned:
-        gather = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),))
+        # A plain module: it gets the gathered sequence as a plain tensor.
+        gather = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=True)
         assigned[head] = TPAssignment(head, "gather_sequence_input (sp)", "<sequence parallel>", gather)
 
 
