@@ -222,6 +222,16 @@ def _check_checkpointing(ac: Checkpointing | None, model: nn.Module) -> list[str
             done.append(fqn)
     if done:
         problems.append(f"modules {_preview(done)} already have activation checkpointing")
+    config = model.__dict__.get("config")
+    if ac.mode == "selective" and getattr(config, "use_cache", None) is True:
+        # A forward that fills a KV cache recomputes a different op sequence
+        # in backward than it ran (the cache has grown by then), which
+        # selective checkpointing's replay of saved ops cannot match.
+        problems.append(
+            "selective activation checkpointing needs the model's KV cache off in training: set "
+            "model.config.use_cache = False before applying (Hugging Face's own gradient checkpointing "
+            "does the same)"
+        )
     return problems
 
 

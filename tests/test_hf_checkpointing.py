@@ -1,0 +1,54 @@
+"""Activation checkpointing on a Hugging Face model as it ships
+(``config.use_cache=True``): a training forward that fills a KV cache
+recomputes a different op sequence in backward, which selective
+checkpointing cannot replay, so ``apply_plan`` refuses it before touching
+the model; with the cache off, checkpointed gradients equal plain ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+import fsdptx  # noqa: E402
+from fsdptx.testing import fake_mesh  # noqa: E402
+
+import hf_zoo  # noqa: E402
+
+
+def _llama() -> nn.Module:
+    torch.manual_seed(0)
+    return hf_zoo.llama("cpu", torch.float32)
+
+
+def _grads(model: nn.Module, activation_checkpointing: object) -> dict[str, torch.Tensor]:
+    with fake_mesh((1,), ("dp",)) as mesh:
+        config = fsdptx.FSDP2Config(mp_policy=None, activation_checkpointing=activation_checkpointing)  # type: ignore[arg-type]
+        fsdptx.FSDP2Manager(config, mesh).parallelize(model)
+        ids = torch.randint(0, 120, (2, 8), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids).logits.sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_selective_checkpointing_with_the_kv_cache_on_is_refused_before_any_change() -> None:
+    model = _llama()
+    assert model.config.use_cache is True
+    before = {n: type(m) for n, m in model.named_modules()}
+    with fake_mesh((1,), ("dp",)) as mesh:
+        manager = fsdptx.FSDP2Manager(fsdptx.FSDP2Config(activation_checkpointing="selective"), mesh)
+        with pytest.raises(fsdptx.PlanMismatchError, match=r"model\.config\.use_cache = False"):
+            manager.parallelize(model)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_gradients_with_the_kv_cache_off_equal_plain_ones(mode: str) -> None:
+    plain = _grads(_llama(), False)
+    model = _llama()
+    model.config.use_cache = False
+    checkpointed = _grads(model, mode)
+    assert checkpointed.keys() == plain.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=0, atol=1e-6, msg=name)
