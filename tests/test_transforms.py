@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
+from fsdptx.presets import Decoder, DecoderConfig
 
 BF16_POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
 PIPELINE_PARTS = (fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
@@ -611,3 +612,18 @@ def test_repeated_cross_block_name_is_refused() -> None:
 def test_plan_survives_pickling() -> None:
     p = fsdptx.plan(make_decoder(), fsdptx.compose(*PIPELINE_PARTS), mp_policy=BF16_POLICY)
     assert pickle.loads(pickle.dumps(p)) == p
+
+
+def test_a_reduction_mark_inside_an_excluded_module_is_refused_when_planning_and_applying() -> None:
+    """TP-replica sync skips excluded subtrees, so the mark would silently
+    never be applied."""
+    model = Decoder(DecoderConfig(vocab=64, dim=32, hidden=64, layers=2))
+    both = functools.partial(
+        fsdptx.mark_reduction, reductions={"layers.0.attn.q_proj": "sum"}, exclude=["layers.0.attn"]
+    )
+    with pytest.raises(PlanningError, match=r"'layers\.0\.attn\.q_proj\.weight'.*'layers\.0\.attn'"):
+        fsdptx.plan(model, both)
+    marked = fsdptx.plan(model, functools.partial(fsdptx.mark_reduction, reductions={"layers.0.attn.q_proj": "sum"}))
+    edited = marked.replace(exclusions=("layers.0",))
+    with pytest.raises(fsdptx.PlanMismatchError, match=r"would never be applied"):
+        fsdptx.apply_plan(edited, model, None, shard_module=lambda *a, **k: None)  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, c
 from .._args import require_module
 from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions, reductions_by_module
 from .._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
-from ._plan import Checkpointing, Plan, Reduction, Unit
+from ._plan import Checkpointing, Plan, Reduction, Unit, marks_under_exclusions
 from ._planner import ModelIndex, claim
 from ._snapshot import MarkTargets, vouched_modules
 from ._unit_checks import module_problems, settings_problems
@@ -122,6 +122,9 @@ def _check_in_full(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     for mfqn in plan.exclusions:
         if mfqn not in index.modules:
             problems.append(f"exclusion names module {mfqn!r}, which the model lacks")
+    unapplied = marks_under_exclusions(plan.reductions, plan.exclusions)
+    if unapplied is not None:
+        problems.append(unapplied)
     _fail(problems)
     return resolved
 

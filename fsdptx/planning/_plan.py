@@ -243,6 +243,38 @@ class Plan:
         return format_plan(self)
 
 
+def marks_under_exclusions(reductions: Mapping[str, Reduction], exclusions: tuple[str, ...]) -> str | None:
+    """The problem, if any, of reduction marks on parameters inside
+    excluded modules: TP-replica sync skips excluded subtrees, so such a
+    mark would silently never be applied (a ``sum`` that sequence
+    parallelism derives for experts the expert exclusion keeps rank-local,
+    say), and the replicas would drift apart."""
+    if not exclusions or not reductions:
+        return None
+    excluded = set(exclusions)
+    found: list[str] = []
+    inside: dict[str, None] = {}
+    for name in reductions:
+        prefixes = [name.rpartition(".")[0]]
+        while prefixes[-1]:
+            prefixes.append(prefixes[-1].rpartition(".")[0])
+        hit = next((m for m in prefixes if m in excluded), None)
+        if hit is not None:
+            found.append(name)
+            inside[hit] = None
+    if not found:
+        return None
+    shown = ", ".join(repr(f) for f in found[:3]) + (f", ... ({len(found)} in all)" if len(found) > 3 else "")
+    where = ", ".join(repr(m) for m in list(inside)[:3]) + (", ..." if len(inside) > 3 else "")
+    return (
+        f"parameters {shown} carry TP-replica reduction marks but lie in {where}, which the plan excludes from "
+        "TP-replica sync, so the marks would never be applied; drop the marks or the exclusions. Expert modules "
+        "are excluded (their shards may differ between TP ranks); under sequence parallelism their TP replicas "
+        "see different tokens and would need a sum that fsdptx does not apply to experts: use "
+        "sequence_parallel=False for such a model"
+    )
+
+
 def reshards_after_forward(unit: Unit) -> bool:
     """Whether FSDP2 will free the unit's gathered parameters after forward
     (and gather them again for backward). ``None`` is FSDP2's default: True,

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from .._args import require_module
 from ..hf import hf_fp32_compute_tokens, hf_replica_reductions
-from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit
+from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, marks_under_exclusions
 from ._planner import ModelIndex, PlanningError, _natural, resolve_units
 from ._snapshot import vouch, vouch_marks
 
@@ -127,6 +127,9 @@ def plan(
         scratch=ModelIndex.build(model),
     )
     planned = _checked(transform, model, start)
+    problem = marks_under_exclusions(planned.reductions, planned.exclusions)
+    if problem is not None:
+        raise PlanningError(f"plan: {problem}")
     return planned.replace(scratch=None, verified=vouch_marks(model_index(model, planned), planned))
 
 
