@@ -162,3 +162,24 @@ def test_backward_reduce_scatters_once_per_unit(mesh: DeviceMesh) -> None:
     reduce_scatters = [c for c in calls if "reduce_scatter" in c.op]
     assert len(reduce_scatters) == len(p.units)
     assert {c.group for c in reduce_scatters} == {(0, 1)}
+
+
+def _tp_sp_step(shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[int, ...]:
+    from fsdptx.presets import Decoder, DecoderConfig
+
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab=64, dim=32, hidden=64, layers=2))
+    with fake_mesh(shape, names) as mesh:
+        fsdptx.FSDP2Manager(fsdptx.FSDP2Config(mp_policy=None, sequence_parallel=True), mesh).parallelize(model)
+        out = model(torch.randint(0, 64, (2, 8)))
+        local = out.to_local() if isinstance(out, DTensor) else out
+        local.sum().backward()
+        return tuple(local.shape)
+
+
+def test_a_fake_world_does_not_inherit_dtensor_decisions_from_an_earlier_one() -> None:
+    """DTensor caches sharding decisions by mesh layout: a (dp, tp) world's
+    tp submesh looks like a later (pp, dp, tp) world's, whose forward then
+    used the destroyed world's decisions and failed, depending on test order."""
+    assert _tp_sp_step((2, 2), ("dp", "tp")) == (2, 8, 64)
+    assert _tp_sp_step((2, 1, 2), ("pp", "dp", "tp")) == (2, 8, 64)

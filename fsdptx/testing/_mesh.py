@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ._fake_backend import FAKE_BACKEND, FakeStore
+from ._fake_backend import FAKE_BACKEND, FakeStore, forget_world
 
 __all__ = ["fake_mesh"]
 
@@ -21,7 +21,8 @@ def fake_mesh(shape: Sequence[int], names: Sequence[str], rank: int = 0) -> Iter
     ``fully_shard``, DTensor and collectives all work; collectives do not
     communicate (an all-reduce returns the local input), which is what lets a
     single process stand in for any rank of any world size. The default
-    process group is destroyed on exit, also when the body raises.
+    process group is destroyed on exit, also when the body raises, and
+    DTensor's caches are cleared, so the next fake world starts afresh.
     """
     shape = tuple(int(s) for s in shape)
     names = tuple(names)
@@ -42,3 +43,4 @@ def fake_mesh(shape: Sequence[int], names: Sequence[str], rank: int = 0) -> Iter
         yield init_device_mesh("cpu", shape, mesh_dim_names=names)
     finally:
         dist.destroy_process_group()
+        forget_world()
