@@ -166,6 +166,8 @@ class FSDP2Manager:
         self.dims: ParallelDims = parallel_dims(device_mesh)
         if config.sequence_parallel and self.dims.tp == 1:
             logger.info("FSDP2Manager: sequence_parallel has no effect without a tp dim of size > 1")
+        if config.tp_plan is not None and self.dims.tp == 1:
+            logger.info("FSDP2Manager: tp_plan is not applied (nor checked) without a tp dim of size > 1")
 
     def __getattr__(self, name: str) -> object:
         """The reference's attributes (``manager.sequence_parallel``,

@@ -473,6 +473,17 @@ def test_head_count_not_divisible_by_tp_fails_before_mutation() -> None:
     _parallelize_fails(model, (2, 2), ("dp", "tp"), r"num_attention_heads=3 is not divisible by tp=2")
 
 
+def test_head_counts_are_not_checked_when_the_plan_shards_only_the_embedding_and_the_head() -> None:
+    """GPT-OSS's declared plan: no attention is split, so no head count
+    needs to divide the TP size."""
+    model = _decoder()
+    model.config = SimpleNamespace(num_attention_heads=3)  # type: ignore[assignment]
+    ends = {"embed_tokens": "embedding_rowwise", "lm_head": "colwise_rep"}
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        FSDP2Manager(FSDP2Config(mp_policy=None, tp_plan=ends), mesh).parallelize(model)
+    assert isinstance(model.lm_head.weight, DTensor)
+
+
 def test_unknown_style_name_fails_before_mutation() -> None:
     _parallelize_fails(_decoder(), (2, 2), ("dp", "tp"), "diagonal", tp_plan={"lm_head": "diagonal"})
 
@@ -584,3 +595,11 @@ def test_selective_checkpointing_replays_fewer_matmuls_than_full() -> None:
     them than full checkpointing does (with the default bf16 policy, whose
     FSDP input casts run inside the replay)."""
     assert _backward_matmuls("selective") < _backward_matmuls("full")
+
+
+def test_settings_that_need_a_tp_dim_say_so_when_the_mesh_has_none(caplog: pytest.LogCaptureFixture) -> None:
+    config = FSDP2Config(sequence_parallel=True, tp_plan={"lm_head": "colwise_rep"})
+    with caplog.at_level("INFO", logger="fsdptx.manager"), fake_mesh((2,), ("dp",)) as mesh:
+        FSDP2Manager(config, mesh)
+    assert "sequence_parallel has no effect" in caplog.text
+    assert "tp_plan is not applied" in caplog.text

@@ -274,7 +274,13 @@ def _on_sequence_shard(index: ModelIndex, assigned: dict[str, TPAssignment], sta
 
 
 def _output_head(model: nn.Module, index: ModelIndex) -> str | None:
-    """The FQN of the output head: what a Hugging Face model's
+    """The FQN of the output head (see :func:`_head_module`)."""
+    head = _head_module(model, index.modules)
+    return None if head is None else index.fqn_of_module.get(id(head))
+
+
+def _head_module(model: nn.Module, modules: Mapping[str, nn.Module]) -> nn.Module | None:
+    """The output head: what a Hugging Face model's
     ``get_output_embeddings`` returns, else a root ``lm_head`` Linear."""
     fn = getattr(model, "get_output_embeddings", None)
     if callable(fn):
@@ -283,8 +289,9 @@ def _output_head(model: nn.Module, index: ModelIndex) -> str | None:
         except (NotImplementedError, AttributeError):
             found = None
         if isinstance(found, nn.Module):
-            return index.fqn_of_module.get(id(found))
-    return "lm_head" if isinstance(index.modules.get("lm_head"), nn.Linear) else None
+            return found
+    lm_head = modules.get("lm_head")
+    return lm_head if isinstance(lm_head, nn.Linear) else None
 
 
 _HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
@@ -315,7 +322,16 @@ def check_tensor_parallel(tp: TensorParallel, model: nn.Module, tp_size: int) ->
         if dim % tp_size:
             problems.append(f"{a.module!r}: {what}={dim} is not divisible by tp={tp_size} ({a.style})")
     problems.extend(tied_tp_groups(tp, model)[1])
-    config = getattr(model, "config", None)
+    # Head counts matter only where attention is sharded: a plan that shards
+    # just the embedding and the output head (GPT-OSS's) splits no heads.
+    head = _head_module(model, modules)
+    splits_blocks = any(
+        isinstance(a.parallel_style, (ColwiseParallel, RowwiseParallel))
+        and isinstance(modules.get(a.module), nn.Linear)
+        and modules.get(a.module) is not head
+        for a in tp.assignments
+    )
+    config = getattr(model, "config", None) if splits_blocks else None
     for cfg in (config, getattr(config, "text_config", None)):
         for key in _HEAD_COUNTS:
             value = getattr(cfg, key, None) if cfg is not None else None
