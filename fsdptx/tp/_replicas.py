@@ -1011,8 +1011,10 @@ def synchronize_tp_replica_gradients(
 
     What the call derives from the model (order, groups, buffer layout, the
     layout digest) is cached on the first model part and reused while the
-    model's parameters, buffers, submodules, marks and the arguments stay
-    the same; so is one buffer of at most ``max_bytes`` per device.
+    model's parameters (down to each one's dtype, shape and device: a cast
+    keeps the Parameter objects), buffers, submodules, marks and the
+    arguments stay the same; so is one buffer of at most ``max_bytes`` per
+    device.
 
     Returns the number of rank-local gradients synchronized (tied once);
     0 and no collective without a TP axis of size > 1.
