@@ -8,9 +8,9 @@ any of these, only this file changes.
 
 from __future__ import annotations
 
-from torch.distributed.tensor import _redistribute
+import torch
+from torch.distributed.tensor import DTensor, _redistribute
 from torch.distributed.tensor._collective_utils import MeshTopoInfo
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 __all__ = ["FAKE_BACKEND", "FakeStore", "forget_world"]
@@ -27,6 +27,9 @@ def forget_world() -> None:
     an earlier one: a test then fails or passes depending on which test ran
     before it in the process.
     """
-    _clear_sharding_prop_cache()
+    # What torch.distributed.tensor.debug._clear_sharding_prop_cache does,
+    # without importing that package (it needs numpy).
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # type: ignore[attr-defined]
+    torch._C._clear_DTensor_sharding_propagator_cache()
     _redistribute._gen_transform_infos.cache_clear()
     MeshTopoInfo.build_from_mesh.cache_clear()
