@@ -497,3 +497,14 @@ def test_fast_gradient_check_agrees_with_the_per_entry_loop(mesh: DeviceMesh, ch
         assert set(states) == {_replicas._SYNC}
     else:
         assert change != "none"
+
+
+def test_a_non_contiguous_gradient_cut_across_chunks_is_reduced_whole(mesh: DeviceMesh) -> None:
+    """Its slices go through one contiguous copy, written back at the end."""
+    model = nn.Linear(6, 4, bias=False)
+    grad = torch.arange(24, dtype=torch.float32).reshape(6, 4).t()
+    assert not grad.is_contiguous()
+    model.weight.grad = grad.clone().t().contiguous().t()  # the same values, still non-contiguous
+    assert not model.weight.grad.is_contiguous()
+    synchronize_tp_replica_gradients(model, mesh, max_bytes=40)  # 9 elements and the divisor per chunk
+    assert torch.equal(model.weight.grad, grad / 2)

@@ -655,7 +655,8 @@ def _execute(
     is written.
 
     A slice of a non-contiguous tensor (rare for gradients) goes through a
-    contiguous copy, written back at the end.
+    contiguous copy of that tensor, made once and written back at the end:
+    the one allocation outside ``max_bytes``.
     """
     factor, multiply = _mean_factor(divisor)
     finish: Callable[[], None] | None = agree()
@@ -676,7 +677,10 @@ def _execute(
                         i, start, stop = slot
                         t = tensors[i]
                         if not t.is_contiguous():
-                            t = staged.setdefault(i, t.contiguous())
+                            found = staged.get(i)
+                            if found is None:  # copied once, not once per chunk it spans
+                                found = staged[i] = t.contiguous()
+                            t = found
                         sources.append(t.view(-1)[start:stop])
                 torch._foreach_copy_(chunk.views, sources)
                 if finish is not None:
