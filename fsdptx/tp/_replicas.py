@@ -329,15 +329,6 @@ class _Structure:
         )
 
 
-def _localized(tensors: list[torch.Tensor], at: list[int], dtensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` with the DTensors ``dtensors``, found at positions ``at``,
-    replaced by their rank-local storage."""
-    local = tensors[:]
-    for i, t in zip(at, map(_LOCAL_TENSOR, dtensors)):
-        local[i] = t
-    return local
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """Rank-local storage of a tensor or DTensor (writes reach the original)."""
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -403,20 +394,31 @@ class _Layout:
     def valid(self, key: tuple[object, ...]) -> bool:
         return key == self.key and self.structure.unchanged() and self._tensors_unchanged()
 
+    def placed_locals(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """``tensors`` (one per entry: the entries' own, or their gradients)
+        as rank-local storage, when each at a DTensor entry's position has
+        that entry's placements and mesh; else ``None``. C-level maps over
+        all entries: a few microseconds instead of one Python iteration per
+        entry."""
+        if not self.dtensors:
+            return tensors
+        dt = [tensors[i] for i in self.dtensors]
+        if [*map(_PLACEMENTS, dt)] != self.dtensor_placements:
+            return None
+        if not all(map(operator.is_, map(_MESH, dt), self.dtensor_meshes)):
+            return None
+        local = tensors[:]
+        for i, t in zip(self.dtensors, map(_LOCAL_TENSOR, dt)):
+            local[i] = t
+        return local
+
     def _tensors_unchanged(self) -> bool:
         """Every entry still has the rank-local dtype, shape and device (and a
-        DTensor the placements and mesh) the layout was derived from; C-level
-        maps over all entries, as in :func:`_common_grads`."""
-        local = self.tensors
-        if self.dtensors:
-            dt = [local[i] for i in self.dtensors]
-            if [*map(_PLACEMENTS, dt)] != self.dtensor_placements:
-                return False
-            if not all(map(operator.is_, map(_MESH, dt), self.dtensor_meshes)):
-                return False
-            local = _localized(local, self.dtensors, dt)
+        DTensor the placements and mesh) the layout was derived from."""
+        local = self.placed_locals(self.tensors)
         return (
-            [*map(_DTYPE, local)] == self.local_dtypes
+            local is not None
+            and [*map(_DTYPE, local)] == self.local_dtypes
             and [*map(_SHAPE, local)] == self.local_shapes
             and [*map(_DEVICE, local)] == self.local_devices
         )
@@ -1139,14 +1141,7 @@ def _common_grads(layout: _Layout) -> list[torch.Tensor] | None:
         return None
     if {*map(_LAYOUT, grads)} != {torch.strided}:
         return None if grads else []
-    local = grads
-    if layout.dtensors:
-        dt = [grads[i] for i in layout.dtensors]
-        if [*map(_PLACEMENTS, dt)] != layout.dtensor_placements:
-            return None
-        if not all(map(operator.is_, map(_MESH, dt), layout.dtensor_meshes)):
-            return None
-        local = _localized(grads, layout.dtensors, dt)
-    if [*map(_DTYPE, local)] != layout.local_dtypes or [*map(_SHAPE, local)] != layout.local_shapes:
+    local = layout.placed_locals(grads)
+    if local is None or [*map(_DTYPE, local)] != layout.local_dtypes or [*map(_SHAPE, local)] != layout.local_shapes:
         return None
     return local
