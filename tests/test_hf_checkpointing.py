@@ -32,13 +32,21 @@ def _grads(model: nn.Module, activation_checkpointing: object) -> dict[str, torc
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_selective_checkpointing_with_the_kv_cache_on_is_refused_before_any_change() -> None:
-    model = _llama()
-    assert model.config.use_cache is True
+@pytest.mark.parametrize(
+    ("name", "switch"),
+    [
+        ("llama", "model.config.use_cache"),
+        # The language model reads its text config; the top-level one has no use_cache.
+        ("gemma3_multimodal", "model.model.language_model.config.use_cache"),
+    ],
+)
+def test_selective_checkpointing_with_the_kv_cache_on_is_refused_naming_the_switch(name: str, switch: str) -> None:
+    torch.manual_seed(0)
+    model = hf_zoo.ZOO[name]("cpu", torch.float32)
     before = {n: type(m) for n, m in model.named_modules()}
     with fake_mesh((1,), ("dp",)) as mesh:
         manager = fsdptx.FSDP2Manager(fsdptx.FSDP2Config(activation_checkpointing="selective"), mesh)
-        with pytest.raises(fsdptx.PlanMismatchError, match=r"model\.config\.use_cache = False"):
+        with pytest.raises(fsdptx.PlanMismatchError, match=f"set {switch} = False before applying"):
             manager.parallelize(model)
     assert {n: type(m) for n, m in model.named_modules()} == before
 

@@ -499,12 +499,25 @@ def test_fast_gradient_check_agrees_with_the_per_entry_loop(mesh: DeviceMesh, ch
         assert change != "none"
 
 
-def test_a_non_contiguous_gradient_cut_across_chunks_is_reduced_whole(mesh: DeviceMesh) -> None:
-    """Its slices go through one contiguous copy, written back at the end."""
+def test_a_non_contiguous_gradient_cut_across_chunks_is_reduced_whole_through_one_copy(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its slices go through one contiguous copy, written back at the end
+    (it used to be copied again for every chunk it spans)."""
     model = nn.Linear(6, 4, bias=False)
     grad = torch.arange(24, dtype=torch.float32).reshape(6, 4).t()
-    assert not grad.is_contiguous()
     model.weight.grad = grad.clone().t().contiguous().t()  # the same values, still non-contiguous
     assert not model.weight.grad.is_contiguous()
+    copies = []
+    real = torch.Tensor.contiguous
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not self.is_contiguous():
+            copies.append(self.shape)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", counting)
     synchronize_tp_replica_gradients(model, mesh, max_bytes=40)  # 9 elements and the divisor per chunk
+    monkeypatch.undo()
     assert torch.equal(model.weight.grad, grad / 2)
+    assert copies == [torch.Size([4, 6])]

@@ -376,3 +376,13 @@ def test_under_sequence_parallelism_a_head_outside_the_plan_gets_the_gathered_se
     styles = _styles(_tp(_decoder(), plan=without_head, sequence_parallel=True))
     gather = styles["lm_head"]
     assert isinstance(gather, PrepareModuleInput) and gather.use_local_output
+
+
+def test_under_sequence_parallelism_a_gathered_projection_under_a_parent_styled_by_the_plan_gathers_for_itself() -> None:
+    """Nothing is known to gather the sequence at such a parent, so the
+    projection keeps the sequence-parallel layout (input ``Shard(1)``)."""
+    own = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),))
+    styles = _styles(_tp(_decoder(), plan={**_GATHERED_QKV, "layers.*.attn": own}, sequence_parallel=True))
+    assert styles["layers.0.attn"] is own
+    q = styles["layers.0.attn.q_proj"]
+    assert isinstance(q, ColwiseParallel) and q.input_layouts == (Shard(1),)

@@ -621,8 +621,9 @@ def test_a_reduction_mark_inside_an_excluded_module_is_refused_when_planning_and
     both = functools.partial(
         fsdptx.mark_reduction, reductions={"layers.0.attn.q_proj": "sum"}, exclude=["layers.0.attn"]
     )
-    with pytest.raises(PlanningError, match=r"'layers\.0\.attn\.q_proj\.weight'.*'layers\.0\.attn'"):
+    with pytest.raises(PlanningError, match=r"'layers\.0\.attn\.q_proj\.weight'.*'layers\.0\.attn'") as refused:
         fsdptx.plan(model, both)
+    assert "sequence_parallel" not in str(refused.value)  # the expert advice is for expert modules only
     marked = fsdptx.plan(model, functools.partial(fsdptx.mark_reduction, reductions={"layers.0.attn.q_proj": "sum"}))
     edited = marked.replace(exclusions=("layers.0",))
     with pytest.raises(fsdptx.PlanMismatchError, match=r"would never be applied"):

@@ -122,7 +122,7 @@ def _check_in_full(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     for mfqn in plan.exclusions:
         if mfqn not in index.modules:
             problems.append(f"exclusion names module {mfqn!r}, which the model lacks")
-    unapplied = marks_under_exclusions(plan.reductions, plan.exclusions)
+    unapplied = marks_under_exclusions(plan.reductions, plan.exclusions, plan.expert_modules)
     if unapplied is not None:
         problems.append(unapplied)
     _fail(problems)
@@ -225,17 +225,34 @@ def _check_checkpointing(ac: Checkpointing | None, model: nn.Module) -> list[str
             done.append(fqn)
     if done:
         problems.append(f"modules {_preview(done)} already have activation checkpointing")
-    config = model.__dict__.get("config")
-    if ac.mode == "selective" and getattr(config, "use_cache", None) is True:
+    if ac.mode == "selective":
         # A forward that fills a KV cache recomputes a different op sequence
         # in backward than it ran (the cache has grown by then), which
         # selective checkpointing's replay of saved ops cannot match.
-        problems.append(
-            "selective activation checkpointing needs the model's KV cache off in training: set "
-            "model.config.use_cache = False before applying (Hugging Face's own gradient checkpointing "
-            "does the same)"
-        )
+        caching = _kv_cache_switches(model)
+        if caching:
+            problems.append(
+                "selective activation checkpointing needs the model's KV cache off in training: set "
+                + " and ".join(f"model.{path} = False" for path in caching)
+                + " before applying (Hugging Face's own gradient checkpointing does the same)"
+            )
     return problems
+
+
+def _kv_cache_switches(model: nn.Module) -> list[str]:
+    """Where the model keeps a ``use_cache`` that is on: each distinct
+    config object its modules hold (a multimodal model's language model
+    reads its text config, not the top-level one), by its first path."""
+    found: list[str] = []
+    seen: set[int] = set()
+    for fqn, module in model.named_modules():
+        config = module.__dict__.get("config")
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        if getattr(config, "use_cache", None) is True:
+            found.append(f"{fqn}.config.use_cache" if fqn else "config.use_cache")
+    return found
 
 
 def _is_checkpointed(module: nn.Module) -> bool:

@@ -243,7 +243,9 @@ class Plan:
         return format_plan(self)
 
 
-def marks_under_exclusions(reductions: Mapping[str, Reduction], exclusions: tuple[str, ...]) -> str | None:
+def marks_under_exclusions(
+    reductions: Mapping[str, Reduction], exclusions: tuple[str, ...], experts: tuple[str, ...] = ()
+) -> str | None:
     """The problem, if any, of reduction marks on parameters inside
     excluded modules: TP-replica sync skips excluded subtrees, so such a
     mark would silently never be applied (a ``sum`` that sequence
@@ -266,13 +268,17 @@ def marks_under_exclusions(reductions: Mapping[str, Reduction], exclusions: tupl
         return None
     shown = ", ".join(repr(f) for f in found[:3]) + (f", ... ({len(found)} in all)" if len(found) > 3 else "")
     where = ", ".join(repr(m) for m in list(inside)[:3]) + (", ..." if len(inside) > 3 else "")
-    return (
+    problem = (
         f"parameters {shown} carry TP-replica reduction marks but lie in {where}, which the plan excludes from "
-        "TP-replica sync, so the marks would never be applied; drop the marks or the exclusions. Expert modules "
-        "are excluded (their shards may differ between TP ranks); under sequence parallelism their TP replicas "
-        "see different tokens and would need a sum that fsdptx does not apply to experts: use "
-        "sequence_parallel=False for such a model"
+        "TP-replica sync, so the marks would never be applied; drop the marks or the exclusions"
     )
+    if set(inside) & set(experts):
+        problem += (
+            ". Expert modules are excluded (their shards may differ between TP ranks); under sequence "
+            "parallelism their TP replicas see different tokens and would need a sum that fsdptx does not apply "
+            "to experts: use sequence_parallel=False for such a model"
+        )
+    return problem
 
 
 def reshards_after_forward(unit: Unit) -> bool:

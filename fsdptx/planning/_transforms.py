@@ -127,7 +127,7 @@ def plan(
         scratch=ModelIndex.build(model),
     )
     planned = _checked(transform, model, start)
-    problem = marks_under_exclusions(planned.reductions, planned.exclusions)
+    problem = marks_under_exclusions(planned.reductions, planned.exclusions, planned.expert_modules)
     if problem is not None:
         raise PlanningError(f"plan: {problem}")
     return planned.replace(scratch=None, verified=vouch_marks(model_index(model, planned), planned))

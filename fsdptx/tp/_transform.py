@@ -91,8 +91,11 @@ def tensor_parallel(
     :func:`fsdptx.synchronize_tp_replica_gradients`.
 
     ``sequence_parallel=True`` derives the sequence-parallel layout: rowwise
-    outputs are reduce-scattered onto the sequence dim; the parents of
-    colwise projections gather the sequence once at their boundary; the
+    outputs are reduce-scattered onto the sequence dim; inside a block, the
+    parents of colwise projections gather the sequence once at their
+    boundary (a ``colwise_rep`` projection there then takes it replicated,
+    as in the plain layout); a plan that tensor-parallelizes no block stack
+    is refused, since nothing would shard the sequence; the
     norms of each block and of the backbone run on the local sequence shard
     (``SequenceParallel``); the first block of each TP stack keeps its
     rank's slice of the sequence (embeddings return it whole: models derive
@@ -222,14 +225,17 @@ def _add_sequence_boundaries(
         if not isinstance(a.parallel_style, ColwiseParallel) or a.style not in _GATHERED_AT_PARENT:
             continue
         parent = fqn.rpartition(".")[0]
-        if parent in blocks or parent in backbones or not any(fqn.startswith(b + ".") for b in blocks):
-            continue  # not inside a block's submodule (an output head gathers for itself)
-        if a.style != "colwise":
-            # Inside a block its input is the parent's gathered sequence, not
-            # a shard: the plain layout (Olmo2's and Phi3's q/k/v projections).
-            a = assigned[fqn] = TPAssignment(fqn, a.style, a.pattern, style_for(a.style, index.modules[fqn], False))
+        if parent in blocks or parent in backbones:
+            continue
+        if a.style != "colwise" and not any(fqn.startswith(b + ".") for b in blocks):
+            continue  # a gathered projection outside the blocks (an output head) gathers for itself
         if parent not in assigned:
             assigned[parent] = TPAssignment(parent, "gather_sequence (sp)", "<sequence parallel>", GatherSequence())
+        if a.style != "colwise" and isinstance(assigned[parent].parallel_style, GatherSequence):
+            # Its input is the parent's gathered sequence, not a shard: the
+            # plain layout (Olmo2's and Phi3's q/k/v projections). Under a
+            # parent with a style of the plan's own, it gathers for itself.
+            assigned[fqn] = TPAssignment(fqn, a.style, a.pattern, style_for(a.style, index.modules[fqn], False))
     for fqn, module in index.modules.items():
         parent = fqn.rpartition(".")[0]
         if fqn and fqn not in assigned and _is_norm(module) and (parent in blocks or parent in backbones):
@@ -322,8 +328,9 @@ def check_tensor_parallel(tp: TensorParallel, model: nn.Module, tp_size: int) ->
         if dim % tp_size:
             problems.append(f"{a.module!r}: {what}={dim} is not divisible by tp={tp_size} ({a.style})")
     problems.extend(tied_tp_groups(tp, model)[1])
-    # Head counts matter only where attention is sharded: a plan that shards
-    # just the embedding and the output head (GPT-OSS's) splits no heads.
+    # Head counts matter where attention is sharded, which a plan sharding
+    # no Linear but the output head (GPT-OSS's: embedding and head) does not
+    # do; any other sharded Linear is taken to be in a block, heads and all.
     head = _head_module(model, modules)
     splits_blocks = any(
         isinstance(a.parallel_style, (ColwiseParallel, RowwiseParallel))
