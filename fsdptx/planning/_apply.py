@@ -6,14 +6,14 @@ never leaves a model half-sharded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, create_selective_checkpoint_contexts
@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, c
 from .._args import require_module
 from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions, reductions_by_module
 from .._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
-from ._plan import Checkpointing, Plan, Reduction, Unit, marks_under_exclusions
+from ._plan import Checkpointing, Plan, Unit, marks_under_exclusions, preview
 from ._planner import ModelIndex, claim
 from ._snapshot import MarkTargets, vouched_modules
 from ._unit_checks import module_problems, settings_problems
@@ -189,12 +189,12 @@ def _check_against_mesh(plan: Plan, model: nn.Module, mesh: object, moe_mesh: De
             already = sorted(f for f, p in model.named_parameters() if isinstance(p, DTensor))
             if already:
                 problems.append(
-                    f"the model is already parallelized: {_preview(already)} are DTensors; "
+                    f"the model is already parallelized: {preview(already)} are DTensors; "
                     "build a fresh model and apply the plan once"
                 )
     if any(u.mesh == "moe" for u in plan.units) and moe_mesh is None:
         moe = [u.modules[0] for u in plan.units if u.mesh == "moe"]
-        problems.append(f"units for expert modules {_preview(moe)} need moe_mesh=, which was not given")
+        problems.append(f"units for expert modules {preview(moe)} need moe_mesh=, which was not given")
     elif moe_mesh is not None:
         try:
             moe_dp_dims(moe_mesh, mesh)
@@ -224,7 +224,7 @@ def _check_checkpointing(ac: Checkpointing | None, model: nn.Module) -> list[str
         if _is_checkpointed(module):
             done.append(fqn)
     if done:
-        problems.append(f"modules {_preview(done)} already have activation checkpointing")
+        problems.append(f"modules {preview(done)} already have activation checkpointing")
     if ac.mode == "selective":
         # A forward that fills a KV cache recomputes a different op sequence
         # in backward than it ran (the cache has grown by then), which
@@ -271,9 +271,6 @@ def _check_prefetch(plan: Plan) -> list[str]:
     ]
 
 
-def _preview(items: Sequence[str], n: int = 3) -> str:
-    shown = ", ".join(repr(i) for i in items[:n])
-    return shown + (f" ... ({len(items)} in all)" if len(items) > n else "")
 
 
 def shard_kwargs(unit: Unit, mesh: object) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -243,6 +243,12 @@ class Plan:
         return format_plan(self)
 
 
+def preview(items: Sequence[str], n: int = 3) -> str:
+    """The first ``n`` names for an error message, and how many there are."""
+    shown = ", ".join(repr(i) for i in items[:n])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
 def marks_under_exclusions(
     reductions: Mapping[str, Reduction], exclusions: tuple[str, ...], experts: tuple[str, ...] = ()
 ) -> str | None:
@@ -266,10 +272,9 @@ def marks_under_exclusions(
             inside[hit] = None
     if not found:
         return None
-    shown = ", ".join(repr(f) for f in found[:3]) + (f", ... ({len(found)} in all)" if len(found) > 3 else "")
-    where = ", ".join(repr(m) for m in list(inside)[:3]) + (", ..." if len(inside) > 3 else "")
     problem = (
-        f"parameters {shown} carry TP-replica reduction marks but lie in {where}, which the plan excludes from "
+        f"parameters {preview(found)} carry TP-replica reduction marks but lie in {preview(list(inside))}, "
+        "which the plan excludes from "
         "TP-replica sync, so the marks would never be applied; drop the marks or the exclusions"
     )
     if set(inside) & set(experts):

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 from .._dtypes import resolve_compute_dtype, token_search
-from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind
+from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind, preview
 from .._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
 from .._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
 from ._snapshot import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
@@ -957,7 +957,7 @@ def plan_cross_block_units(
         if not found:
             raise PlanningError(
                 f"shard_across_blocks: no block has a submodule {name!r} "
-                f"(searched {len(blocks)} blocks: {_preview(blocks)}); fix the name in "
+                f"(searched {len(blocks)} blocks: {preview(blocks)}); fix the name in "
                 "_fsdp_shard_across_blocks or module_names="
             )
         below: list[str] = []
@@ -1013,9 +1013,6 @@ def _split_children(r: _Resolver, holder: nn.Module, reshard: bool | int | None)
     return descent.scope
 
 
-def _preview(items: Sequence[str], n: int = 3) -> str:
-    shown = ", ".join(repr(i) for i in items[:n])
-    return shown + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
 def resolve_units(

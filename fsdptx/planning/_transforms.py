@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from .._args import require_module
 from ..hf import hf_fp32_compute_tokens, hf_replica_reductions
-from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, marks_under_exclusions
+from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, marks_under_exclusions, preview
 from ._planner import ModelIndex, PlanningError, _natural, resolve_units
 from ._snapshot import vouch, vouch_marks
 
@@ -396,9 +396,6 @@ def _matching(index: ModelIndex, patterns: Collection[str]) -> dict[str, list[st
     return out
 
 
-def _preview(items: Sequence[str], n: int = 3) -> str:
-    shown = ", ".join(repr(i) for i in items[:n])
-    return shown + (f" ... ({len(items)} modules)" if len(items) > n else "")
 
 
 def _holds_tensors(module: nn.Module) -> bool:
@@ -458,7 +455,7 @@ def mark_reduction(
         direct = [index.direct_param_fqns(fqn) for fqn in matched]
         if not any(direct):
             raise PlanningError(
-                f"mark_reduction: reduction glob {pattern!r} matches {_preview(matched)}, none of which holds "
+                f"mark_reduction: reduction glob {pattern!r} matches {preview(matched)}, none of which holds "
                 "a parameter directly (a mark applies to a module's own parameters); point it at the "
                 "modules that own them, e.g. " + repr(pattern + ".*")
             )
@@ -478,7 +475,7 @@ def mark_reduction(
             raise PlanningError(f"mark_reduction: exclusion glob {pattern!r} matches no module of the model")
         if not any(_holds_tensors(index.modules[f]) for f in matched):
             raise PlanningError(
-                f"mark_reduction: exclusion glob {pattern!r} matches {_preview(matched)}, whose subtrees hold "
+                f"mark_reduction: exclusion glob {pattern!r} matches {preview(matched)}, whose subtrees hold "
                 "no parameter or buffer; nothing would stay rank-local"
             )
         excluded.extend(f for f in matched if f not in excluded)

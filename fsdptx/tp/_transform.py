@@ -24,7 +24,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor import Replicate
 
 from ..planning._plan import Plan, Reduction, TensorParallel, TPAssignment
-from ..planning._planner import ModelIndex, PlanningError, _preview
+from ..planning._plan import preview
+from ..planning._planner import ModelIndex, PlanningError
 from ._styles import (
     REPLICA_SUM_STYLES,
     UNSUPPORTED_STYLES,
@@ -164,7 +165,7 @@ def tensor_parallel(
             # input as one rank's slice: logits for twice the tokens.
             raise PlanningError(
                 "tensor_parallel: sequence_parallel=True, but the TP plan parallelizes no block stack "
-                f"(it covers {_preview(sorted(assigned)) or 'no module'}), so no block would run on a "
+                f"(it covers {preview(sorted(assigned)) or 'no module'}), so no block would run on a "
                 "sequence shard; use sequence_parallel=False, or a TP plan that shards the blocks' projections"
             )
         _add_sequence_boundaries(model, index, assigned, stacks)
