@@ -51,6 +51,7 @@ from .planning._transforms import (
     shard_by_dtype,
 )
 from .manager import FSDP2Config, FSDP2Manager, gradient_sync_context, patch_is_packed_sequence
+from .cli._memory import MemoryEstimate, estimate_memory
 from .tp import tensor_parallel
 from ._tree import (
     get_module_from_path,
@@ -64,6 +65,7 @@ __all__ = [
     "DEFAULT_MAX_BUFFER_BYTES",
     "FSDP2Config",
     "FSDP2Manager",
+    "MemoryEstimate",
     "Prefetch",
     "TPAssignment",
     "TensorParallel",
@@ -86,6 +88,7 @@ __all__ = [
     "check_plan",
     "compose",
     "configure_fsdp_unused_param_reduction",
+    "estimate_memory",
     "exclude_from_tp_replica_sync",
     "fully_shard_across_blocks",
     "fully_shard_by_dtype",

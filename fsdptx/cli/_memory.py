@@ -1,0 +1,436 @@
+"""Activation memory traced from the model's own forward and backward.
+
+The shape-only :func:`fsdptx.cli._report.memory_plan` is exact for
+parameters, gradients and optimizer state but cannot know what a forward
+saves. :func:`estimate_memory` runs one real training step (forward, loss,
+backward, AdamW step) of the parallelized model on a fake mesh under
+``FakeTensorMode``: tensors have shapes and dtypes but no storage, so a 70B
+model on 64 ranks runs on a laptop CPU. torch's ``FSDPMemTracker`` is the
+accounting engine (it attributes every live storage to parameters, gradients,
+activations, all-gather and reduce-scatter buffers, optimizer state); a
+subclass records a sample after every operator, with the FSDP unit and
+phase running at the time, and every collective issued, so the report can
+say *where* the step peaks and draw it.
+
+Two things make the tracker count what a GPU would hold:
+
+- DTensor computes output shapes by running the op on fake tensors of the
+  *active* fake mode; the tracker would count those as allocations. During
+  the trace DTensor's propagation gets a fake mode of its own
+  (:func:`_own_propagation_fake_mode`), which the tracker skips.
+- AdamW creates its state lazily in the first ``step()``. A steady-state
+  step has it from the start, so the state is created (and gradients
+  dropped) before the traced step begins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.fsdp import FSDPModule
+
+from ._report import OPTIMIZER_STATES, ParamShard
+
+__all__ = ["Collective", "MemoryEstimate", "Sample", "estimate_memory", "trace_step"]
+
+# The tracker's categories (``_FSDPRefType`` values), renamed to JSON keys.
+CATEGORIES: dict[str, str] = {
+    "Sharded Param": "sharded_params",
+    "Unsharded Param": "gathered_params",
+    "Buffer": "buffers",
+    "Sharded Grad": "sharded_grads",
+    "Unsharded Grad": "unsharded_grads",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "All Gather": "all_gather_buffers",
+    "Reduce Scatter": "reduce_scatter_buffers",
+    "OptState": "optimizer_state",
+    "Inputs": "inputs",
+}
+
+# Collectives as the tracker sees them, below DTensor and FSDP: FSDP's own
+# (c10d in-place ops) and DTensor's functional ones (TP redistributions).
+_COLLECTIVES: dict[str, str] = {
+    "_allgather_base_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Memory after one operator: ``index`` orders samples and collectives
+    on one time axis; ``unit`` is the innermost FSDP unit running (``""``
+    the root) and ``phase`` is ``forward``, ``backward`` or ``optimizer``."""
+
+    index: int
+    phase: str
+    unit: str
+    bytes: Mapping[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of the traced step on rank 0: ``op`` (all_gather,
+    reduce_scatter, all_reduce, ...), ``source`` (``fsdp`` for FSDP's
+    parameter all-gathers and gradient reduce-scatters, ``tp`` for DTensor's
+    redistributions in TP regions, ``replica`` for all-reduces outside
+    FSDP's reduce-scatter: the HSDP replica sync), its output bytes, and
+    where it ran."""
+
+    index: int
+    op: str
+    source: str
+    unit: str
+    phase: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one rank holds over one training step, in bytes.
+
+    ``params_bytes``, ``grads_bytes`` and ``optimizer_bytes`` are the exact
+    shard sizes (padding included); ``activations_bytes`` is what forward
+    left saved for backward (plus the loss and logits) when backward starts;
+    ``peak_bytes`` is the largest total of the whole step with
+    ``peak_breakdown`` the categories at that moment and ``peak_at`` its
+    unit and phase. ``timeline`` and ``collectives`` are the traced step;
+    ``notes`` lists every figure that is estimated instead of traced.
+    """
+
+    batch: int
+    seq: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    peak_bytes: int
+    peak_at: str
+    peak_breakdown: Mapping[str, int]
+    timeline: tuple[Sample, ...] = ()
+    collectives: tuple[Collective, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        """The figures as JSON-ready data (the timeline is left to ``--html``)."""
+        return {
+            "batch": self.batch,
+            "seq": self.seq,
+            "params_bytes": self.params_bytes,
+            "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "activations_bytes": self.activations_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak_at": self.peak_at,
+            "peak_breakdown": dict(self.peak_breakdown),
+            "collective_bytes": collective_bytes(self.collectives),
+            "estimated": list(self.notes),
+        }
+
+
+def collective_bytes(collectives: Sequence[Collective]) -> dict[str, int]:
+    """Bytes per ``source/op`` (e.g. ``fsdp/all_gather``), summed over the step."""
+    out: dict[str, int] = {}
+    for c in collectives:
+        key = f"{c.source}/{c.op}"
+        out[key] = out.get(key, 0) + c.bytes
+    return dict(sorted(out.items()))
+
+
+# --------------------------------------------------------------------------- the tracer
+
+
+@contextlib.contextmanager
+def _own_propagation_fake_mode() -> Iterator[None]:
+    """DTensor's sharding propagation runs under ``detect_fake_mode() or
+    FakeTensorMode()``; under our fake mode it would reuse it and the tracker
+    would count its shape-only tensors. Hand it a fake mode of its own."""
+    from torch.distributed.tensor import _sharding_prop
+
+    own = FakeTensorMode(allow_non_fake_inputs=True)
+    saved = _sharding_prop.detect_fake_mode  # type: ignore[attr-defined]
+    _sharding_prop.detect_fake_mode = lambda *args: own  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = saved  # type: ignore[attr-defined]
+
+
+class _StepTracker(FSDPMemTracker):
+    """``FSDPMemTracker`` that also keeps a sample per operator and every collective."""
+
+    def __init__(self, mod: nn.Module, optm: torch.optim.Optimizer, units: Sequence[str]) -> None:
+        super().__init__(mod, optm)
+        self._units = frozenset(units)
+        self.samples: list[Sample] = []
+        self.collectives: list[Collective] = []
+        self._counter = 0
+
+    def _where(self) -> tuple[str, str]:
+        if self._in_opt:
+            return "optimizer", ""
+        active = [m for m in self._mod_tracker.parents if m in self._units or m == "Global"]
+        unit = max((m for m in active if m != "Global"), key=len, default="")
+        return ("backward" if self._mod_tracker.is_bw else "forward"), unit
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        self.sample()
+
+    def sample(self) -> Sample:
+        """Record (and return) what is held now: also called between
+        operators, where frees since the last operator show."""
+        phase, unit = self._where()
+        snap = next(iter(self._curr_mem_snap.values()), {})
+        values = {CATEGORIES[k]: v for k, v in snap.items() if k in CATEGORIES and v}
+        sample = Sample(self._counter, phase, unit, values)
+        self.samples.append(sample)
+        self._counter += 1
+        return sample
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        op = _COLLECTIVES.get(func._overloadpacket.__name__) if out is not NotImplemented else None
+        if op is not None:
+            self._record_collective(func, op, args)
+        return out
+
+    def _record_collective(self, func: Any, op: str, args: Any) -> None:
+        name = func._overloadpacket.__name__
+        if name in ("_allgather_base_", "_reduce_scatter_base_"):
+            source, tensor = "fsdp", args[0] if name == "_allgather_base_" else args[1]
+            nbytes = tensor.numel() * tensor.element_size()
+        else:
+            tensors = [t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            if op == "all_gather":  # the output is group-size times the input
+                group = next((a for a in args if isinstance(a, int)), 1)
+                nbytes *= group
+            source = "replica" if name == "allreduce_" else "tp"
+        phase, unit = self._where()
+        self.collectives.append(Collective(self._counter, op, source, unit, phase, nbytes))
+        self._counter += 1
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The raw result of one traced step (see :func:`trace_step`)."""
+
+    samples: tuple[Sample, ...]
+    collectives: tuple[Collective, ...]
+    activations: int
+
+
+def _logits(out: object) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(
+        f"the model returned {type(out).__name__}; the memory trace needs logits (a tensor, or an output "
+        "with .logits) to compute a language-model loss"
+    )
+
+
+def _vocab_input(model: nn.Module) -> int:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(emb, nn.Embedding):
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        raise TypeError(
+            f"{type(model).__name__} has no nn.Embedding; the memory trace feeds token ids (batch, seq) "
+            "and needs a token embedding to size them"
+        )
+    return int(emb.num_embeddings)
+
+
+def trace_step(model: nn.Module, *, batch: int, seq: int, units: Sequence[str]) -> Trace:
+    """Trace one training step of ``model``, parallelized on the meta
+    device, on the fake mesh that is current.
+
+    Materializes the model as fake tensors, builds AdamW with its state,
+    then tracks forward, cross-entropy loss, backward and the optimizer
+    step. ``units`` are the FSDP units' first FQNs (samples are attributed
+    to the innermost). Mutates ``model`` (its tensors become fake).
+
+    Args:
+        model: a model that ``FSDP2Manager.parallelize`` applied on the meta device.
+        batch: sequences per data-parallel rank.
+        seq: tokens per sequence.
+        units: FQNs to attribute samples to.
+
+    Returns:
+        The samples, the collectives and the activation bytes at the end of forward.
+    """
+    if not isinstance(model, FSDPModule):
+        raise TypeError(
+            f"the memory trace needs an FSDP root; {type(model).__name__} was not sharded "
+            "(a mesh with a data-parallel axis and a plan with units)"
+        )
+    vocab = _vocab_input(model)
+    with FakeTensorMode(allow_non_fake_inputs=True), _own_propagation_fake_mode():
+        model.to_empty(device="cpu")
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        for p in params:  # steady state: AdamW's state exists, gradients were dropped
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens = torch.randint(0, vocab, (batch, seq))
+        labels = torch.randint(0, vocab, (batch, seq))
+        tracker = _StepTracker(model, optimizer, units)
+        tracker.track_inputs((tokens, labels))
+        with tracker:
+            logits = _logits(model(tokens))
+            loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+            del logits
+            end_of_forward = tracker.sample()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    activations = end_of_forward.bytes.get("activations", 0)
+    return Trace(tuple(tracker.samples), tuple(tracker.collectives), activations)
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+def _where_label(sample: Sample) -> str:
+    if sample.phase == "optimizer":
+        return "optimizer step"
+    return f"{sample.phase} of {sample.unit or '<root>'}"
+
+
+def steady_bytes(shards: Mapping[str, ParamShard], optimizer: str) -> tuple[int, int, int]:
+    """Exact per-rank (params, grads, optimizer state) of rank 0's shards."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
+    params = sum(s.local_numel * s.dtype.itemsize for s in shards.values())
+    grads = sum(s.local_numel * s.dtype.itemsize for s in shards.values() if s.requires_grad)
+    states = OPTIMIZER_STATES[optimizer] * 4 * sum(s.local_numel for s in shards.values() if s.requires_grad)
+    return params, grads, states
+
+
+def rescale(
+    trace: Trace, *, traced: tuple[int, int, int], target: tuple[int, int, int]
+) -> tuple[int, int, dict[str, int]]:
+    """Peak of ``trace`` when the sharded parts are ``target`` instead of ``traced``.
+
+    Every sample is recomputed with sharded parameters and optimizer state
+    scaled to the target totals and sharded gradients scaled in proportion
+    (the fraction of gradients already reduced at that moment is kept).
+    Unsharded parts (gathered parameters, unsharded gradients, activations,
+    communication buffers) do not depend on the FSDP shard count. Returns
+    (peak, sample index, breakdown)."""
+    keys = ("sharded_params", "sharded_grads", "optimizer_state")
+    factors = {k: (t / s if s else 0.0) for k, s, t in zip(keys, traced, target)}
+    best, best_i, best_bytes = -1, 0, {}
+    for i, sample in enumerate(trace.samples):
+        scaled = {k: int(round(v * factors[k])) if k in factors else v for k, v in sample.bytes.items()}
+        total = sum(scaled.values())
+        if total > best:
+            best, best_i, best_bytes = total, i, scaled
+    return best, best_i, best_bytes
+
+
+def estimate_from_trace(
+    trace: Trace,
+    shards: Mapping[str, ParamShard],
+    *,
+    batch: int,
+    seq: int,
+    optimizer: str,
+    notes: Sequence[str] = (),
+) -> MemoryEstimate:
+    """Combine a trace with the exact shard sizes of ``shards``.
+
+    The trace's AdamW state stands for ``optimizer``'s (``sgd``: one state
+    per element, ``none``: none), by scaling; parameters and gradients are
+    the traced ones scaled to the exact totals (equal when ``shards`` is
+    what was traced)."""
+    traced = _traced_steady(trace)
+    params, grads, states = steady_bytes(shards, optimizer)
+    peak, i, breakdown = rescale(trace, traced=traced, target=(params, grads, states))
+    sample = trace.samples[i]
+    return MemoryEstimate(
+        batch=batch,
+        seq=seq,
+        params_bytes=params,
+        grads_bytes=grads,
+        optimizer_bytes=states,
+        activations_bytes=trace.activations,
+        peak_bytes=peak,
+        peak_at=_where_label(sample),
+        peak_breakdown=breakdown,
+        timeline=trace.samples,
+        collectives=trace.collectives,
+        notes=tuple(notes),
+    )
+
+
+def _traced_steady(trace: Trace) -> tuple[int, int, int]:
+    """(sharded params, sharded grads once all are reduced, optimizer state)
+    as traced: params and state as the step starts (the optimizer step's
+    temporaries also count as optimizer state), gradients at their most
+    before the optimizer step."""
+    first = trace.samples[0].bytes if trace.samples else {}
+    grads = max((s.bytes.get("sharded_grads", 0) for s in trace.samples if s.phase != "optimizer"), default=0)
+    return first.get("sharded_params", 0), grads, first.get("optimizer_state", 0)
+
+
+def estimate_memory(
+    manager: Any, model: nn.Module, *, batch: int = 1, seq: int = 2048, optimizer: str = "adamw"
+) -> MemoryEstimate:
+    """The per-rank memory of one training step of ``model`` under ``manager``.
+
+    Plans and parallelizes ``model`` (built on the meta device) with
+    ``manager`` on its mesh, which must be a fake mesh
+    (:func:`fsdptx.testing.fake_mesh`), then traces forward, backward and
+    the optimizer step under ``FakeTensorMode`` (see the module docstring).
+    Nothing is allocated; ``model`` is consumed (its tensors become fake).
+
+    Args:
+        manager: the :class:`fsdptx.FSDP2Manager` whose plan to size.
+        model: the model on the meta device.
+        batch: sequences per data-parallel rank.
+        seq: tokens per sequence.
+        optimizer: ``adamw`` (2 fp32 states), ``sgd`` (1) or ``none``.
+
+    Returns:
+        A :class:`MemoryEstimate` for rank 0.
+    """
+    from ._main import param_shards
+
+    if batch < 1 or seq < 1:
+        raise ValueError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError("estimate_memory needs a model built on the meta device (with torch.device('meta'): ...)")
+    p = manager.plan(model)
+    manager.parallelize(model)
+    shards = param_shards(model, p, manager.dims, fsdp_applied=True)
+    units = [u.modules[0] for u in p.units]
+    trace = trace_step(model, batch=batch, seq=seq, units=units)
+    return estimate_from_trace(trace, shards, batch=batch, seq=seq, optimizer=optimizer)
+
