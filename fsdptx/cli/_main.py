@@ -37,6 +37,7 @@ from ..planning._plan import Plan, Unit, _format_requests, reshards_after_forwar
 from ._report import OPTIMIZER_STATES, MemoryPlan, ParamShard, UnitTraffic, local_shape, memory_plan, step_traffic
 from ..planning._transforms import compose, mark_reduction, shard_across_blocks, shard_by_dtype
 from ..presets import PRESETS, build_preset
+from ._memory import Trace, disable_kv_cache, memory_json, memory_text, traced
 
 # The pipeline of plain ``fsdptx.plan`` (no manager): kept for callers that
 # compare against it; the CLI itself runs the manager's pipeline.
@@ -218,6 +219,7 @@ class DryRun:
     shards: dict[str, ParamShard]
     applied: str
     params: int
+    trace: Trace | None = None
 
 
 def _tp_dim(p: torch.Tensor) -> int | None:
@@ -260,8 +262,16 @@ def param_shards(model: nn.Module, p: Plan, dims: ParallelDims, *, fsdp_applied:
     return out
 
 
-def dry_run(model: nn.Module, shape: tuple[int, ...], names: tuple[str, ...], config: Any) -> DryRun:
-    """Plan with the manager and apply on a fake mesh (within :data:`APPLY_BUDGET`)."""
+def dry_run(
+    model: nn.Module,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    config: Any,
+    *,
+    batch_seq: tuple[int, int] | None = None,
+) -> DryRun:
+    """Plan with the manager and apply on a fake mesh (within :data:`APPLY_BUDGET`);
+    with ``batch_seq``, also trace one training step (:func:`trace_step`)."""
     from ..manager import FSDP2Manager
     from ..testing import fake_mesh  # the fake backend is only needed here
 
@@ -285,7 +295,8 @@ def dry_run(model: nn.Module, shape: tuple[int, ...], names: tuple[str, ...], co
                 f"({APPLY_BUDGET:,} parameter shards); use a smaller tp"
             )
         shards = param_shards(model, p, dims, fsdp_applied=applied == "full")
-    return DryRun(plan=p, dims=dims, shards=shards, applied=applied, params=n_params)
+        trace = None if batch_seq is None else traced(model, p, applied, batch_seq)
+    return DryRun(plan=p, dims=dims, shards=shards, applied=applied, params=n_params, trace=trace)
 
 
 # --------------------------------------------------------------------------- report
@@ -368,7 +379,7 @@ def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, o
             }
         )
     largest = None if mem.largest_unit is None else units[mem.largest_unit]
-    return {
+    data: dict[str, Any] = {
         "model": name,
         "mesh": dict(zip(names, shape)),
         "world_size": math.prod(shape),
@@ -406,6 +417,9 @@ def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, o
         "tp_replica_reductions": dict(p.reductions) if dims.tp > 1 else {},
         "tp_replica_sync_excluded": list(p.exclusions) if dims.tp > 1 else [],
     }
+    if run.trace is not None:
+        data["memory"].update(memory_json(run.trace, run.shards, optimizer))
+    return data
 
 
 def _policy_json(policy: MixedPrecisionPolicy | None) -> dict[str, str | None] | None:
@@ -597,7 +611,7 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
     width = max(len(k) for k, _ in rows)
     out = ["memory per rank (rank 0; activations not counted, see fsdptx.cli._report.MemoryPlan):"]
     out += [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    return out
+    return out + memory_text(m) if "peak_bytes" in m else out
 
 
 # --------------------------------------------------------------------------- entry point
@@ -635,6 +649,13 @@ def _parser() -> _Parser:
         default="adamw",
         help="optimizer state to count: adamw 2 fp32 states, sgd (momentum) 1, none 0 (default adamw)",
     )
+    p.add_argument(
+        "--batch",
+        type=int,
+        help="sequences per data-parallel rank: trace one training step for activations and the peak "
+        "(default 1 when --seq, --html or --fit is given; without any of them nothing is traced)",
+    )
+    p.add_argument("--seq", type=int, help="tokens per sequence of the traced step (default 2048)")
     p.add_argument("--json", action="store_true", help="print the same report as JSON")
     return parser
 
@@ -649,8 +670,11 @@ def run_plan(args: argparse.Namespace) -> str:
         mp_policy=mp_policy(args.mp),
         activation_checkpointing=args.ac or False,
     )
+    batch_seq = _batch_seq(args)
+    if batch_seq is not None and config.checkpoint_mode is not None:
+        disable_kv_cache(model)  # as a training run with checkpointing must
     try:
-        run = dry_run(model, shape, names, config)
+        run = dry_run(model, shape, names, config, batch_seq=batch_seq)
     except ValueError as e:  # the planner's own message names what to change
         raise UsageError(f"cannot plan {name}: {_one_line(e)}") from None
     except TypeError as e:  # typically a declaration of the wrong type (_no_split_modules = 5)
@@ -660,6 +684,16 @@ def run_plan(args: argparse.Namespace) -> str:
         ) from None
     data = report(name, shape, names, run, args.optimizer)
     return json.dumps(data, indent=2) if args.json else render(data, run.plan)
+
+
+def _batch_seq(args: argparse.Namespace) -> tuple[int, int] | None:
+    """``--batch``/``--seq`` (defaults 1 and 2048), or None when nothing asks for a trace."""
+    if args.batch is None and args.seq is None:
+        return None
+    batch, seq = args.batch or 1, args.seq or 2048
+    if batch < 1 or seq < 1:
+        raise UsageError(f"--batch and --seq must be >= 1, got --batch {batch} --seq {seq}")
+    return batch, seq
 
 
 def main(argv: Sequence[str] | None = None) -> int:

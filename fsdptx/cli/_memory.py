@@ -239,6 +239,7 @@ class Trace:
     samples: tuple[Sample, ...]
     collectives: tuple[Collective, ...]
     activations: int
+    batch_seq: tuple[int, int]
 
 
 def _logits(out: object) -> torch.Tensor:
@@ -311,7 +312,7 @@ def trace_step(model: nn.Module, *, batch: int, seq: int, units: Sequence[str]) 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     activations = end_of_forward.bytes.get("activations", 0)
-    return Trace(tuple(tracker.samples), tuple(tracker.collectives), activations)
+    return Trace(tuple(tracker.samples), tuple(tracker.collectives), activations, (batch, seq))
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -434,3 +435,75 @@ def estimate_memory(
     trace = trace_step(model, batch=batch, seq=seq, units=units)
     return estimate_from_trace(trace, shards, batch=batch, seq=seq, optimizer=optimizer)
 
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def disable_kv_cache(model: nn.Module) -> list[str]:
+    """Turn off ``use_cache`` on every config the model's modules hold and
+    return where (``config.use_cache``, ``model.config.use_cache``, ...).
+
+    Checkpointed blocks re-run their forward in backward; a KV cache would
+    grow there, so Hugging Face turns it off under gradient checkpointing,
+    and ``parallelize`` refuses checkpointing while it is on. The dry run
+    builds its own model, so it decides the same way as a training run."""
+    changed: list[str] = []
+    seen: set[int] = set()
+    for fqn, module in model.named_modules():
+        config = module.__dict__.get("config")
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            changed.append(f"{fqn}.config.use_cache" if fqn else "config.use_cache")
+    return changed
+
+
+def traced(model: nn.Module, plan: Any, applied: str, batch_seq: tuple[int, int]) -> Trace:
+    """:func:`trace_step` for the dry run, which has applied ``plan``
+    (``applied == "full"``) on the current fake mesh."""
+    from ._main import APPLY_BUDGET, UsageError
+
+    if applied != "full":
+        raise UsageError(
+            "the activation trace needs fully_shard applied, and this mesh is larger than the dry run "
+            f"simulates ({APPLY_BUDGET:,} parameter shards); trace a smaller dp_shard: activations per "
+            "rank do not depend on it, and --fit scales the sharded parts exactly"
+        )
+    batch, seq = batch_seq
+    try:
+        return trace_step(model, batch=batch, seq=seq, units=[u.modules[0] for u in plan.units])
+    except (TypeError, RuntimeError, NotImplementedError) as e:
+        raise UsageError(
+            f"the training step could not be traced under FakeTensorMode ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:300]}); plan without --batch/--seq for the shape-only figures"
+        ) from None
+
+
+def memory_json(trace: Trace, shards: Mapping[str, ParamShard], optimizer: str) -> dict[str, Any]:
+    """The traced figures the report adds under ``"memory"`` (see :class:`MemoryEstimate`)."""
+    batch, seq = trace.batch_seq
+    return estimate_from_trace(trace, shards, batch=batch, seq=seq, optimizer=optimizer).to_json()
+
+
+def memory_text(m: Mapping[str, Any]) -> list[str]:
+    """The lines of the text report for the traced figures of ``memory_json``."""
+    from ._main import fmt_bytes
+
+    breakdown = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(m["peak_breakdown"].items(), key=lambda kv: -kv[1]))
+    comm = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in m["collective_bytes"].items()) or "none"
+    rows = [
+        ("activations", f"{fmt_bytes(m['activations_bytes'])} saved when backward starts"),
+        ("peak", f"{fmt_bytes(m['peak_bytes'])} ({m['peak_bytes']:,} B) in the {m['peak_at']}"),
+        ("at the peak", breakdown),
+        ("collectives", comm),
+    ]
+    rows += [("estimated", note) for note in m["estimated"]]
+    width = max(len(k) for k, _ in rows)
+    head = (
+        f"one training step traced (forward, backward, AdamW step; batch {m['batch']} x seq {m['seq']} "
+        "per data-parallel rank; FakeTensorMode, FSDPMemTracker):"
+    )
+    return ["", head, *(f"  {k.ljust(width)}  {v}" for k, v in rows)]
