@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from ..planning._apply import apply_plan
@@ -418,7 +418,8 @@ def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, o
         "tp_replica_sync_excluded": list(p.exclusions) if dims.tp > 1 else [],
     }
     if run.trace is not None:
-        data["memory"].update(memory_json(run.trace, run.shards, optimizer))
+        offload = any(isinstance(u.offload_policy, CPUOffloadPolicy) for u in p.units)
+        data["memory"].update(memory_json(run.trace, run.shards, optimizer, offload=offload))
     return data
 
 
@@ -656,6 +657,16 @@ def _parser() -> _Parser:
         "(default 1 when --seq, --html or --fit is given; without any of them nothing is traced)",
     )
     p.add_argument("--seq", type=int, help="tokens per sequence of the traced step (default 2048)")
+    p.add_argument(
+        "--offload", action="store_true", help="CPUOffloadPolicy: sharded params, grads and optimizer state on the host"
+    )
+    p.add_argument(
+        "--fit",
+        metavar="GPUSxMEMORY",
+        help="list the meshes, checkpointing and offload settings whose traced peak fits, e.g. 64x80GiB "
+        "(ignores --mesh/--sp/--ac/--offload; traces --batch/--seq)",
+    )
+    p.add_argument("--html", metavar="FILE", help="write a self-contained picture of the traced step to FILE")
     p.add_argument("--json", action="store_true", help="print the same report as JSON")
     return parser
 
@@ -663,12 +674,17 @@ def _parser() -> _Parser:
 def run_plan(args: argparse.Namespace) -> str:
     from ..manager import FSDP2Config
 
+    if args.fit is not None:
+        from ._fit import run_fit
+
+        return run_fit(args)
     shape, names = parse_mesh(args.mesh)
     model, name = build_model(args)
     config = FSDP2Config(
         sequence_parallel=args.sp,
         mp_policy=mp_policy(args.mp),
         activation_checkpointing=args.ac or False,
+        offload_policy=CPUOffloadPolicy() if args.offload else None,
     )
     batch_seq = _batch_seq(args)
     if batch_seq is not None and config.checkpoint_mode is not None:
@@ -683,12 +699,16 @@ def run_plan(args: argparse.Namespace) -> str:
             "(_no_split_modules, _keep_in_fp32_modules(_strict), _tp_plan, _fsdp_shard_across_blocks)"
         ) from None
     data = report(name, shape, names, run, args.optimizer)
+    if args.html is not None:
+        from ._html import write_html
+
+        write_html(args.html, data, run)
     return json.dumps(data, indent=2) if args.json else render(data, run.plan)
 
 
 def _batch_seq(args: argparse.Namespace) -> tuple[int, int] | None:
     """``--batch``/``--seq`` (defaults 1 and 2048), or None when nothing asks for a trace."""
-    if args.batch is None and args.seq is None:
+    if args.batch is None and args.seq is None and args.html is None and args.fit is None:
         return None
     batch, seq = args.batch or 1, args.seq or 2048
     if batch < 1 or seq < 1:

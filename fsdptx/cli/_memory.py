@@ -364,16 +364,22 @@ def estimate_from_trace(
     seq: int,
     optimizer: str,
     notes: Sequence[str] = (),
+    offload: bool = False,
 ) -> MemoryEstimate:
     """Combine a trace with the exact shard sizes of ``shards``.
 
     The trace's AdamW state stands for ``optimizer``'s (``sgd``: one state
     per element, ``none``: none), by scaling; parameters and gradients are
     the traced ones scaled to the exact totals (equal when ``shards`` is
-    what was traced)."""
+    what was traced). With ``offload`` (FSDP2's ``CPUOffloadPolicy``) the
+    sharded parts live on the host: the device peak leaves them out, and a
+    note says so (the fake mesh is a CPU mesh, so the trace cannot tell)."""
     traced = _traced_steady(trace)
     params, grads, states = steady_bytes(shards, optimizer)
-    peak, i, breakdown = rescale(trace, traced=traced, target=(params, grads, states))
+    target = (0, 0, 0) if offload else (params, grads, states)
+    peak, i, breakdown = rescale(trace, traced=traced, target=target)
+    if offload:
+        notes = (*notes, "offload: sharded parameters, gradients and optimizer state are on the host, not in peak")
     sample = trace.samples[i]
     return MemoryEstimate(
         batch=batch,
@@ -482,10 +488,13 @@ def traced(model: nn.Module, plan: Any, applied: str, batch_seq: tuple[int, int]
         ) from None
 
 
-def memory_json(trace: Trace, shards: Mapping[str, ParamShard], optimizer: str) -> dict[str, Any]:
+def memory_json(
+    trace: Trace, shards: Mapping[str, ParamShard], optimizer: str, *, offload: bool = False
+) -> dict[str, Any]:
     """The traced figures the report adds under ``"memory"`` (see :class:`MemoryEstimate`)."""
     batch, seq = trace.batch_seq
-    return estimate_from_trace(trace, shards, batch=batch, seq=seq, optimizer=optimizer).to_json()
+    estimate = estimate_from_trace(trace, shards, batch=batch, seq=seq, optimizer=optimizer, offload=offload)
+    return estimate.to_json()
 
 
 def memory_text(m: Mapping[str, Any]) -> list[str]:

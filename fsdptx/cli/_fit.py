@@ -1,0 +1,398 @@
+"""``python -m fsdptx plan --fit GPUSxMEMORY``: which parallelizations fit.
+
+Every mesh the world allows (``dp_replicate`` x ``dp_shard`` x ``tp``,
+``tp`` up to 8 and only where the model's TP plan divides), activation
+checkpointing off / selective / full, and optimizer-state offload off / on,
+each with its predicted per-rank peak and its communication per step.
+
+Fast because almost nothing depends on everything:
+
+- Activations, gathered parameters, unsharded gradients and communication
+  buffers depend on ``tp`` and checkpointing, not on the FSDP shard count.
+  One step is traced per (``tp``, checkpointing) on ``dp_shard=2``; each
+  mesh's peak is the traced timeline recomputed with that mesh's exact
+  sharded parameter, gradient and optimizer sizes
+  (:func:`fsdptx.cli._memory.rescale`). Offload moves exactly those sharded
+  parts to the host, so its device peak is the same timeline without them.
+- A model with more than :data:`TRACE_LAYERS` blocks (a preset or ``--hf``
+  model: their block count can be set) is traced with ``TRACE_LAYERS - 1``
+  and ``TRACE_LAYERS`` blocks and the peak, activations and TP traffic
+  extrapolated linearly: each further block adds one more block's
+  activations, parameters and collectives. Fewer blocks: traced whole, exact.
+
+Communication per step and rank is what each rank sends or receives on the
+wire (ring algorithms): an all-gather or reduce-scatter of ``B`` bytes over
+``n`` ranks moves ``B (n-1)/n``, an all-reduce ``2 B (n-1)/n``. FSDP's
+come from the plan's units (two all-gathers for a unit that reshards after
+forward, one reduce-scatter), HSDP's all-reduce of the sharded gradients
+over ``dp_replicate``, TP's from the traced step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..planning._plan import Plan
+from ._memory import Trace, rescale, steady_bytes
+from ._report import ParamShard, step_traffic
+
+__all__ = ["Candidate", "FitResult", "parse_fit", "search"]
+
+TRACE_LAYERS = 3
+"""Models with more blocks are traced at ``TRACE_LAYERS - 1`` and
+``TRACE_LAYERS`` blocks and extrapolated."""
+
+MAX_TP = 8
+"""Largest TP degree tried: TP collectives sit on the critical path of every
+block, so beyond one node's GPUs (8 on common servers) it does not pay."""
+
+_SIZES = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZES.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+_FIT = re.compile(r"^\s*(\d+)\s*x\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*$", re.IGNORECASE)
+AC_MODES: tuple[str | bool, ...] = (False, "selective", "full")
+_RECOMPUTE = {False: 0, "selective": 1, "full": 2}
+
+
+def parse_fit(text: str) -> tuple[int, int]:
+    """``"64x80GiB"`` -> ``(64, 85899345920)``: GPUs and bytes of memory each.
+
+    Raises:
+        ValueError: naming the text and the expected form.
+    """
+    m = _FIT.match(text)
+    if m is None or int(m.group(1)) < 1:
+        raise ValueError(f"malformed --fit {text!r}: expected GPUSxMEMORY such as 64x80GiB or 8x40GB")
+    return int(m.group(1)), int(float(m.group(2)) * _SIZES[m.group(3).upper()])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One parallelization: its mesh, checkpointing and offload, what it is
+    predicted to hold per rank at its peak, and what it communicates."""
+
+    mesh: dict[str, int]
+    activation_checkpointing: str | bool
+    offload: bool
+    peak_bytes: int
+    activations_bytes: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    comm_bytes: dict[str, int]
+    extrapolated: bool
+
+    @property
+    def comm_total(self) -> int:
+        return sum(self.comm_bytes.values())
+
+    @property
+    def mesh_arg(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.mesh.items())
+
+    def config_text(self) -> str:
+        """The ``FSDP2Config`` that reproduces this candidate (beside the
+        dry run's mixed-precision policy)."""
+        parts = []
+        if self.mesh.get("tp", 1) > 1:
+            parts.append("sequence_parallel=True")
+        if self.activation_checkpointing:
+            parts.append(f"activation_checkpointing={self.activation_checkpointing!r}")
+        if self.offload:
+            parts.append("offload_policy=CPUOffloadPolicy()")
+        return f"FSDP2Config({', '.join(parts)})"
+
+    def cli_args(self) -> list[str]:
+        """``python -m fsdptx plan`` options that re-plan this candidate."""
+        args = ["--mesh", self.mesh_arg]
+        if self.mesh.get("tp", 1) > 1:
+            args.append("--sp")
+        if self.activation_checkpointing:
+            args += ["--ac", str(self.activation_checkpointing)]
+        if self.offload:
+            args.append("--offload")
+        return args
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mesh": self.mesh,
+            "activation_checkpointing": self.activation_checkpointing or None,
+            "offload": self.offload,
+            "peak_bytes": self.peak_bytes,
+            "activations_bytes": self.activations_bytes,
+            "params_bytes": self.params_bytes,
+            "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "comm_bytes": self.comm_bytes,
+            "comm_total_bytes": self.comm_total,
+            "extrapolated": self.extrapolated,
+            "config": self.config_text(),
+            "argv": self.cli_args(),
+        }
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """All candidates evaluated, and those that fit, best first."""
+
+    gpus: int
+    budget: int
+    candidates: tuple[Candidate, ...]
+    fitting: tuple[Candidate, ...]
+    skipped: tuple[str, ...]
+
+
+def meshes(gpus: int) -> list[dict[str, int]]:
+    """Every ``dp_replicate`` x ``dp_shard`` x ``tp`` factorization of ``gpus``
+    with ``tp <= MAX_TP`` and ``dp_replicate * dp_shard >= 2`` (one
+    data-parallel rank has nothing to shard)."""
+    out = []
+    for tp in (t for t in range(1, min(gpus, MAX_TP) + 1) if gpus % t == 0):
+        dp = gpus // tp
+        for rep in (r for r in range(1, dp + 1) if dp % r == 0):
+            mesh = {"dp_replicate": rep, "dp_shard": dp // rep, "tp": tp}
+            if dp >= 2:
+                out.append({k: v for k, v in mesh.items() if v > 1 or k == "dp_shard"})
+    return out
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """Traces of one (tp, checkpointing) setting at one or two block counts,
+    each with the plan and shard function of the traced model."""
+
+    traces: tuple[tuple[int, Trace, Callable[[int], dict[str, ParamShard]]], ...]
+
+
+def _ring(nbytes: float, n: int, factor: int = 1) -> int:
+    return int(factor * nbytes * (n - 1) / n) if n > 1 else 0
+
+
+def _extrapolate(values: Sequence[tuple[int, float]], layers: int) -> int:
+    if len(values) == 1:
+        return int(values[0][1])
+    (la, a), (lb, b) = values
+    return int(round(b + (layers - lb) * (b - a) / (lb - la)))
+
+
+def evaluate(
+    mesh: dict[str, int],
+    ac: str | bool,
+    offload: bool,
+    measured: _Measured,
+    full_shards: dict[str, ParamShard],
+    full_plan: Plan,
+    layers: int,
+    optimizer: str,
+) -> Candidate:
+    """Predict one candidate from the traces of its (tp, checkpointing)."""
+    shard = mesh["dp_shard"]
+    rep = mesh.get("dp_replicate", 1)
+    tp = mesh.get("tp", 1)
+    peaks: list[tuple[int, float]] = []
+    acts: list[tuple[int, float]] = []
+    tp_comm: list[tuple[int, float]] = []
+    for n_layers, trace, shards_at in measured.traces:
+        first = trace.samples[0].bytes
+        grads_traced = max(s.bytes.get("sharded_grads", 0) for s in trace.samples)
+        traced = (first.get("sharded_params", 0), grads_traced, first.get("optimizer_state", 0))
+        target = (0, 0, 0) if offload else steady_bytes(shards_at(shard), optimizer)
+        peak, _, _ = rescale(trace, traced=traced, target=target)
+        peaks.append((n_layers, peak))
+        acts.append((n_layers, trace.activations))
+        tp_comm.append((n_layers, sum(c.bytes for c in trace.collectives if c.source == "tp")))
+    params, grads, states = steady_bytes(full_shards, optimizer)
+    comm: dict[str, int] = {}
+    gathered = reduced = 0.0
+    for traffic in step_traffic(full_plan):
+        gathered += traffic.all_gather_bytes
+        reduced += traffic.reduce_scatter_bytes
+    comm["fsdp_all_gather"] = _ring(gathered, shard)
+    comm["fsdp_reduce_scatter"] = _ring(reduced, shard)
+    grad_numel = sum(s.local_numel for s in full_shards.values() if s.requires_grad)
+    comm["hsdp_all_reduce"] = _ring(4 * grad_numel, rep, 2)  # fp32, the dry run's reduce dtype
+    comm["tp"] = _ring(_extrapolate(tp_comm, layers), tp)
+    return Candidate(
+        mesh=mesh,
+        activation_checkpointing=ac,
+        offload=offload,
+        peak_bytes=_extrapolate(peaks, layers),
+        activations_bytes=_extrapolate(acts, layers),
+        params_bytes=0 if offload else params,
+        grads_bytes=0 if offload else grads,
+        optimizer_bytes=0 if offload else states,
+        comm_bytes=comm,
+        extrapolated=len(measured.traces) > 1,
+    )
+
+
+def shards_for(model: nn.Module, plan: Plan, dims: Any) -> Callable[[int], dict[str, ParamShard]]:
+    """Rank 0's shards of ``model`` (TP applied) for any FSDP shard count."""
+    from ._main import param_shards
+
+    def at(dp_shard: int) -> dict[str, ParamShard]:
+        return param_shards(model, plan, dataclasses.replace(dims, dp_shard=dp_shard), fsdp_applied=False)
+
+    return at
+
+
+def rank(candidates: Sequence[Candidate], budget: int) -> tuple[Candidate, ...]:
+    """Those within ``budget``, best first: least communication, then least
+    recompute, then no offload, then the smallest peak."""
+    fitting = [c for c in candidates if c.peak_bytes <= budget]
+    return tuple(
+        sorted(
+            fitting,
+            key=lambda c: (c.comm_total, _RECOMPUTE[c.activation_checkpointing], c.offload, c.peak_bytes),
+        )
+    )
+
+
+def search(
+    build: Callable[[int | None], nn.Module],
+    layers: int | None,
+    gpus: int,
+    budget: int,
+    *,
+    batch: int,
+    seq: int,
+    optimizer: str,
+    config: Callable[..., Any],
+) -> FitResult:
+    """Evaluate every candidate of a ``gpus``-rank world against ``budget`` bytes.
+
+    Args:
+        build: builds the model on the meta device with that many blocks
+            (``None``: as it comes).
+        layers: the model's block count when ``build`` can change it, else ``None``.
+        gpus: the world size.
+        budget: bytes of device memory per rank.
+        batch: sequences per data-parallel rank.
+        seq: tokens per sequence.
+        optimizer: ``adamw``, ``sgd`` or ``none``.
+        config: ``FSDP2Config`` with the dry run's fixed settings bound.
+
+    Returns:
+        A :class:`FitResult`.
+    """
+    from ._main import dry_run
+
+    if layers is not None and layers > TRACE_LAYERS:
+        counts: tuple[int | None, ...] = (TRACE_LAYERS - 1, TRACE_LAYERS)
+    else:
+        counts = (layers,)
+    candidates: list[Candidate] = []
+    skipped: list[str] = []
+    for tp in sorted({m.get("tp", 1) for m in meshes(gpus)}):
+        tp_meshes = [m for m in meshes(gpus) if m.get("tp", 1) == tp]
+        names = ("dp_shard", "tp") if tp > 1 else ("dp_shard",)
+        shape = (2, tp) if tp > 1 else (2,)
+        full_model = build(None)
+        try:
+            full = dry_run(full_model, shape, names, config(sequence_parallel=tp > 1))
+        except ValueError as e:  # the TP plan does not divide: not a candidate
+            skipped.append(f"tp={tp}: {' '.join(str(e).split())[:200]}")
+            continue
+        full_at = shards_for(full_model, full.plan, full.dims)
+        for ac in AC_MODES:
+            traced = []
+            for n in counts:
+                model = build(n)
+                setting = config(sequence_parallel=tp > 1, activation_checkpointing=ac)
+                run = dry_run(model, shape, names, setting, batch_seq=(batch, seq))
+                if run.trace is None:  # dry_run traces whenever batch_seq is given
+                    raise RuntimeError(f"no trace for tp={tp}, activation_checkpointing={ac!r}")
+                traced.append((n or 0, run.trace, shards_for(model, run.plan, run.dims)))
+            measured = _Measured(tuple(traced))
+            for mesh in tp_meshes:
+                for offload in (False, True):
+                    shards = full_at(mesh["dp_shard"])
+                    candidates.append(
+                        evaluate(mesh, ac, offload, measured, shards, full.plan, layers or 0, optimizer)
+                    )
+    return FitResult(gpus, budget, tuple(candidates), rank(candidates, budget), tuple(skipped))
+
+
+
+def run_fit(args: Any) -> str:
+    """``plan --fit``: the search for the command line's model; text or JSON."""
+    import argparse
+    import json
+
+    from ..manager import FSDP2Config
+    from ._main import UsageError, _batch_seq, build_model, fmt_bytes, mp_policy
+
+    try:
+        gpus, budget = parse_fit(args.fit)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    batch_seq = _batch_seq(args)
+    assert batch_seq is not None  # --fit asks for a trace
+    batch, seq = batch_seq
+    model, name = build_model(args)
+    layers = _block_count(args, model)
+
+    def build(n: int | None) -> nn.Module:
+        if n is None or layers is None:
+            return build_model(args)[0]
+        if args.hf is not None:
+            return build_model(argparse.Namespace(**{**vars(args), "hf_config": [*args.hf_config, f"num_hidden_layers={n}"]}))[0]
+        return build_model(argparse.Namespace(**{**vars(args), "layers": n}))[0]
+
+    def config(**kw: Any) -> FSDP2Config:
+        return FSDP2Config(mp_policy=mp_policy(args.mp), **kw)
+
+    try:
+        result = search(build, layers, gpus, budget, batch=batch, seq=seq, optimizer=args.optimizer, config=config)
+    except ValueError as e:
+        raise UsageError(f"cannot fit {name}: {' '.join(str(e).split())}") from None
+    data = {
+        "model": name,
+        "fit": {
+            "gpus": gpus,
+            "budget_bytes": budget,
+            "batch": batch,
+            "seq": seq,
+            "optimizer": args.optimizer,
+            "evaluated": len(result.candidates),
+            "fitting": [c.to_json() for c in result.fitting],
+            "skipped": list(result.skipped),
+        },
+    }
+    if args.json:
+        return json.dumps(data, indent=2)
+    lines = [
+        f"fsdptx plan --fit: {name} on {gpus} GPUs x {fmt_bytes(budget)}, batch {batch} x seq {seq} per "
+        f"data-parallel rank: {len(result.fitting)} of {len(result.candidates)} configurations fit "
+        "(best first: least communication per step, then least recompute)",
+    ]
+    for i, c in enumerate(result.fitting, 1):
+        comm = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.comm_bytes.items() if v)
+        lines.append(
+            f"{i:3}. --mesh {c.mesh_arg}  ac={c.activation_checkpointing or 'off'}  offload={'on' if c.offload else 'off'}"
+            f"  peak {fmt_bytes(c.peak_bytes)}  comm {fmt_bytes(c.comm_total)} ({comm or 'none'})"
+        )
+        lines.append(f"     {c.config_text()}  # python -m fsdptx plan {' '.join(c.cli_args())}")
+    lines += [f"skipped {s}" for s in result.skipped]
+    if any(c.extrapolated for c in result.candidates):
+        lines.append(
+            f"(peaks, activations and TP traffic traced at {TRACE_LAYERS - 1} and {TRACE_LAYERS} blocks and "
+            "extrapolated linearly; parameters, gradients and optimizer state are exact)"
+        )
+    return "\n".join(lines)
+
+
+def _block_count(args: Any, model: nn.Module) -> int | None:
+    """Blocks of the command line's model when the command line can change
+    them (a preset's ``--layers``, an ``--hf`` model's ``num_hidden_layers``)."""
+    if args.factory is not None:
+        return None
+    if args.hf is not None:
+        n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        return n if isinstance(n, int) else None
+    return 16 if args.layers is None else int(args.layers)
