@@ -1,0 +1,228 @@
+"""``python -m fsdptx plan --html FILE``: one self-contained page of the traced step.
+
+Per-rank memory over the step as stacked areas by category (forward per
+unit, backward per unit, optimizer step) with the peak marked, the
+collectives on the same time axis (FSDP all-gathers and reduce-scatters,
+TP redistributions, replica all-reduces), and the plan's unit table. Inline
+SVG and a few lines of JS for a readout under the pointer: no network, no
+CDN, so the file opens anywhere, also on an air-gapped cluster.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ._memory import CATEGORIES, Collective, Sample
+
+__all__ = ["render_html", "write_html"]
+
+WIDTH, HEIGHT, LANE = 1100, 320, 18
+MAX_POINTS = 1200
+"""Samples drawn at most: each drawn point is the largest sample of its
+bucket, so the peak survives downsampling."""
+
+_COLORS = {
+    "sharded_params": "#4c78a8",
+    "sharded_grads": "#72b7b2",
+    "optimizer_state": "#54a24b",
+    "gathered_params": "#f58518",
+    "all_gather_buffers": "#ffbf79",
+    "unsharded_grads": "#e45756",
+    "reduce_scatter_buffers": "#ff9d98",
+    "activations": "#b279a2",
+    "temporaries": "#d6a5c9",
+    "buffers": "#9d755d",
+    "inputs": "#bab0ac",
+}
+_OPS = {"all_gather": "#f58518", "reduce_scatter": "#e45756", "all_reduce": "#54a24b"}
+_PHASES = {"forward": "#eef4fb", "backward": "#fbf0ee", "optimizer": "#eef8ec"}
+
+
+def _bucketed(samples: Sequence[Sample]) -> list[Sample]:
+    step = max(1, -(-len(samples) // MAX_POINTS))
+    return [max(samples[i : i + step], key=lambda s: s.total) for i in range(0, len(samples), step)]
+
+
+def _x(index: int, last: int) -> float:
+    return 60 + (WIDTH - 80) * index / max(1, last)
+
+
+def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], peak_at: str) -> str:
+    from ._main import fmt_bytes
+
+    last = max([s.index for s in samples] + [c.index for c in collectives] + [1])
+    top = max((s.total for s in samples), default=1) or 1
+    keys = [k for k in CATEGORIES.values() if any(s.bytes.get(k) for s in samples)]
+    drawn = _bucketed(samples)
+    parts: list[str] = []
+    # phase bands
+    start = 0
+    for i in range(1, len(samples) + 1):
+        if i == len(samples) or samples[i].phase != samples[start].phase:
+            x0, x1 = _x(samples[start].index, last), _x(samples[i - 1].index, last)
+            color = _PHASES.get(samples[start].phase, "#f4f4f4")
+            parts.append(f'<rect x="{x0:.1f}" y="20" width="{max(1.0, x1 - x0):.1f}" height="{HEIGHT}" fill="{color}"/>')
+            parts.append(f'<text x="{x0 + 4:.1f}" y="34" class="phase">{samples[start].phase}</text>')
+            start = i
+
+    def y(v: float) -> float:
+        return 20 + HEIGHT * (1 - v / top)
+
+    below = [0] * len(drawn)
+    for k in keys:
+        upper = [b + s.bytes.get(k, 0) for b, s in zip(below, drawn)]
+        pts = [f"{_x(s.index, last):.1f},{y(u):.1f}" for s, u in zip(drawn, upper)]
+        pts += [f"{_x(s.index, last):.1f},{y(b):.1f}" for s, b in zip(reversed(drawn), reversed(below))]
+        parts.append(f'<polygon points="{" ".join(pts)}" fill="{_COLORS[k]}" opacity="0.9"><title>{k}</title></polygon>')
+        below = upper
+    peak = max(samples, key=lambda s: s.total)
+    px = _x(peak.index, last)
+    parts.append(f'<line x1="{px:.1f}" y1="20" x2="{px:.1f}" y2="{20 + HEIGHT}" class="peak"/>')
+    parts.append(
+        f'<text x="{min(px + 4, WIDTH - 260):.1f}" y="16" class="peak-label">peak {html.escape(fmt_bytes(peak.total))}'
+        f" ({html.escape(peak_at)})</text>"
+    )
+    for frac in (0.25, 0.5, 0.75, 1.0):
+        parts.append(f'<text x="4" y="{y(top * frac) + 4:.1f}" class="axis">{html.escape(fmt_bytes(top * frac))}</text>')
+    # collectives lane
+    lanes = sorted({c.source for c in collectives})
+    base = HEIGHT + 40
+    for n, source in enumerate(lanes):
+        ly = base + n * LANE
+        parts.append(f'<text x="4" y="{ly + 12}" class="axis">{source}</text>')
+        for c in (c for c in collectives if c.source == source):
+            cx = _x(c.index, last)
+            title = html.escape(f"{c.op} {fmt_bytes(c.bytes)} in {c.phase} of {c.unit or '<root>'}")
+            color = _OPS.get(c.op, "#888")
+            parts.append(
+                f'<rect x="{cx:.1f}" y="{ly}" width="2" height="{LANE - 4}" fill="{color}"><title>{title}</title></rect>'
+            )
+    height = base + max(1, len(lanes)) * LANE + 10
+    legend = "".join(
+        f'<span class="key"><i style="background:{_COLORS[k]}"></i>{k}</span>' for k in keys
+    ) + "".join(f'<span class="key"><i style="background:{c}"></i>{op}</span>' for op, c in _OPS.items())
+    return (
+        f'<svg id="step" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+        f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="memory per rank over one training step">'
+        + "".join(parts)
+        + f'<line id="cursor" x1="0" x2="0" y1="20" y2="{height}" class="cursor"/></svg>'
+        + f'<div class="legend">{legend}</div>'
+    )
+
+
+def _table(data: dict[str, Any]) -> str:
+    from ._main import _rows, fmt_bytes
+
+    head = ("units", "kind", "storage->compute", "params/rank", "gathered", "reshard", "AG", "RS")
+    rows = []
+    for label, group in _rows(data["units"]):
+        u = group[0]
+        cells = (
+            label,
+            u["kind"],
+            f"{u['storage_dtype']}->{u['compute_dtype']}",
+            fmt_bytes(u["bytes_per_rank"]),
+            fmt_bytes(u["gathered_bytes"]),
+            str(u["reshard_after_forward"]),
+            str(u["all_gathers"]),
+            str(u["reduce_scatters"]),
+        )
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    return (
+        "<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"
+        + "".join(rows) + "</tbody></table>"
+    )
+
+
+_SCRIPT = """
+(function () {
+  var svg = document.getElementById("step"), cursor = document.getElementById("cursor");
+  var out = document.getElementById("readout"), pts = JSON.parse(document.getElementById("points").textContent);
+  svg.addEventListener("mousemove", function (ev) {
+    var box = svg.getBoundingClientRect(), x = (ev.clientX - box.left) * svg.viewBox.baseVal.width / box.width;
+    var best = pts[0];
+    for (var i = 0; i < pts.length; i++) { if (Math.abs(pts[i][0] - x) < Math.abs(best[0] - x)) { best = pts[i]; } }
+    cursor.setAttribute("x1", best[0]); cursor.setAttribute("x2", best[0]);
+    out.textContent = best[1];
+  });
+  out.textContent = pts.length + " samples; point at the chart for the memory at that moment";
+})();
+"""
+
+_STYLE = """
+body{font:14px system-ui,sans-serif;margin:24px;color:#222}
+h1{font-size:20px} table{border-collapse:collapse;margin-top:16px}
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
+.phase{font-size:12px;fill:#555}.axis{font-size:11px;fill:#444}
+.peak{stroke:#d00;stroke-width:2;stroke-dasharray:4 3}.peak-label{font-size:12px;fill:#d00;font-weight:bold}
+.cursor{stroke:#000;stroke-width:1;opacity:.4}
+.legend{margin:6px 0}.key{margin-right:12px;font-size:12px}
+.key i{display:inline-block;width:10px;height:10px;margin-right:4px}
+#readout{font-family:monospace;min-height:1.4em}
+"""
+
+
+def _safe_json(value: object) -> str:
+    """JSON that cannot end the ``<script>`` element it sits in."""
+    return json.dumps(value).replace("</", "<\\/")
+
+
+def render_html(data: dict[str, Any], samples: Sequence[Sample], collectives: Sequence[Collective]) -> str:
+    """The page for report ``data`` (with traced ``"memory"``) and its trace.
+
+    Args:
+        data: the report as :func:`fsdptx.cli._main.report` returns it.
+        samples: the traced memory samples.
+        collectives: the traced collectives.
+
+    Returns:
+        The whole HTML document.
+    """
+    from ._main import fmt_bytes
+
+    m = data["memory"]
+    last = max([s.index for s in samples] + [c.index for c in collectives] + [1])
+    points = [
+        [round(_x(s.index, last), 1), f"{s.phase} of {s.unit or '<root>'}: {fmt_bytes(s.total)}"]
+        for s in _bucketed(samples)
+    ]
+    mesh = ", ".join(f"{k}={v}" for k, v in data["mesh"].items())
+    figures = [
+        ("parameters", m["params_bytes"]),
+        ("gradients", m["grads_bytes"]),
+        ("optimizer state", m["optimizer_bytes"]),
+        ("activations (end of forward)", m["activations_bytes"]),
+        ("peak", m["peak_bytes"]),
+    ]
+    summary = "".join(f"<tr><th>{k}</th><td>{html.escape(fmt_bytes(v))}</td></tr>" for k, v in figures)
+    notes = "".join(f"<li>estimated: {html.escape(n)}</li>" for n in m["estimated"])
+    title = html.escape(f"fsdptx plan: {data['model']} on {mesh}")
+    return (
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{title}</title><style>{_STYLE}</style></head><body>"
+        f"<h1>{title}</h1>"
+        f"<p>One training step per rank (rank 0), batch {m['batch']} x seq {m['seq']} per data-parallel rank, "
+        f"traced under FakeTensorMode. Peak {html.escape(fmt_bytes(m['peak_bytes']))} in the "
+        f"{html.escape(m['peak_at'])}.</p>"
+        f"<table>{summary}</table><ul>{notes}</ul>"
+        + _memory_svg(samples, collectives, m["peak_at"])
+        + '<div id="readout"></div>'
+        + f'<script type="application/json" id="points">{_safe_json(points)}</script>'
+        + f"<h2>Plan</h2>{_table(data)}<script>{_SCRIPT}</script></body></html>"
+    )
+
+
+def write_html(path: str, data: dict[str, Any], run: Any) -> None:
+    """Write :func:`render_html` of a dry run that traced its step to ``path``."""
+    from ._main import UsageError
+
+    if run.trace is None:
+        raise UsageError("--html needs a traced step; this dry run traced none")
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(render_html(data, run.trace.samples, run.trace.collectives))
+    except OSError as e:
+        raise UsageError(f"cannot write --html {path!r}: {e.strerror}; choose a writable path") from None
