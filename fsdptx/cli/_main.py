@@ -16,6 +16,7 @@ declarations is reported as one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
@@ -418,8 +419,7 @@ def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, o
         "tp_replica_sync_excluded": list(p.exclusions) if dims.tp > 1 else [],
     }
     if run.trace is not None:
-        offload = any(isinstance(u.offload_policy, CPUOffloadPolicy) for u in p.units)
-        data["memory"].update(memory_json(run.trace, run.shards, optimizer, offload=offload))
+        data["memory"].update(memory_json(run.trace, run.shards, optimizer))
     return data
 
 
@@ -689,6 +689,8 @@ def run_plan(args: argparse.Namespace) -> str:
     batch_seq = _batch_seq(args)
     if batch_seq is not None and config.checkpoint_mode is not None:
         disable_kv_cache(model)  # as a training run with checkpointing must
+    if batch_seq is not None and args.offload:  # traced without it: see fsdptx.cli._memory.estimate_from_trace
+        config = dataclasses.replace(config, offload_policy=None)
     try:
         run = dry_run(model, shape, names, config, batch_seq=batch_seq)
     except ValueError as e:  # the planner's own message names what to change
@@ -698,6 +700,8 @@ def run_plan(args: argparse.Namespace) -> str:
             f"cannot plan {name}: TypeError: {_one_line(e)}; check the model's declarations "
             "(_no_split_modules, _keep_in_fp32_modules(_strict), _tp_plan, _fsdp_shard_across_blocks)"
         ) from None
+    if run.trace is not None and args.offload:
+        run = dataclasses.replace(run, trace=dataclasses.replace(run.trace, offloaded=True))
     data = report(name, shape, names, run, args.optimizer)
     if args.html is not None:
         from ._html import write_html
@@ -710,7 +714,8 @@ def _batch_seq(args: argparse.Namespace) -> tuple[int, int] | None:
     """``--batch``/``--seq`` (defaults 1 and 2048), or None when nothing asks for a trace."""
     if args.batch is None and args.seq is None and args.html is None and args.fit is None:
         return None
-    batch, seq = args.batch or 1, args.seq or 2048
+    batch = 1 if args.batch is None else args.batch
+    seq = 2048 if args.seq is None else args.seq
     if batch < 1 or seq < 1:
         raise UsageError(f"--batch and --seq must be >= 1, got --batch {batch} --seq {seq}")
     return batch, seq

@@ -241,6 +241,7 @@ class Trace:
     collectives: tuple[Collective, ...]
     activations: int
     batch_seq: tuple[int, int]
+    offloaded: bool = False  # traced without CPUOffloadPolicy, which stands for it (see estimate_from_trace)
 
 
 def _logits(out: object) -> torch.Tensor:
@@ -392,7 +393,11 @@ def estimate_from_trace(
     target = (0, 0, 0) if offload else (params, grads, states)
     peak, i, breakdown = rescale(trace, traced=traced, target=target)
     if offload:
-        notes = (*notes, "offload: sharded parameters, gradients and optimizer state are on the host, not in peak")
+        notes = (
+            *notes,
+            "offload: traced without CPUOffloadPolicy (FakeTensorMode cannot pin host memory); the sharded "
+            "parameters, gradients and optimizer state it keeps on the host are left out of the peak",
+        )
     sample = trace.samples[i]
     return MemoryEstimate(
         batch=batch,
@@ -501,12 +506,12 @@ def traced(model: nn.Module, plan: Any, applied: str, batch_seq: tuple[int, int]
         ) from None
 
 
-def memory_json(
-    trace: Trace, shards: Mapping[str, ParamShard], optimizer: str, *, offload: bool = False
-) -> dict[str, Any]:
+def memory_json(trace: Trace, shards: Mapping[str, ParamShard], optimizer: str) -> dict[str, Any]:
     """The traced figures the report adds under ``"memory"`` (see :class:`MemoryEstimate`)."""
     batch, seq = trace.batch_seq
-    estimate = estimate_from_trace(trace, shards, batch=batch, seq=seq, optimizer=optimizer, offload=offload)
+    estimate = estimate_from_trace(
+        trace, shards, batch=batch, seq=seq, optimizer=optimizer, offload=trace.offloaded
+    )
     return estimate.to_json()
 
 
