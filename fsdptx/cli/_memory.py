@@ -162,6 +162,22 @@ def collective_bytes(collectives: Sequence[Collective]) -> dict[str, int]:
 
 
 @contextlib.contextmanager
+def _fast_fake_mode_lookup() -> Iterator[None]:
+    """The tracker asks for the active fake mode after every operator, by
+    walking the whole mode stack (a tenth of a deep model's trace); the
+    dispatcher keeps the active fake mode in a slot of its own."""
+    from torch.distributed._tools import fsdp2_mem_tracker
+
+    saved = fsdp2_mem_tracker.active_fake_mode  # type: ignore[attr-defined]
+    key = torch._C._TorchDispatchModeKey.FAKE
+    fsdp2_mem_tracker.active_fake_mode = lambda: torch._C._get_dispatch_mode(key)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        fsdp2_mem_tracker.active_fake_mode = saved  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
 def _own_propagation_fake_mode() -> Iterator[None]:
     """DTensor's sharding propagation runs under ``detect_fake_mode() or
     FakeTensorMode()``; under our fake mode it would reuse it and the tracker
@@ -297,7 +313,7 @@ def trace_step(model: nn.Module, *, batch: int, seq: int, units: Sequence[str]) 
             "(a mesh with a data-parallel axis and a plan with units)"
         )
     vocab = _vocab_input(model)
-    with FakeTensorMode(allow_non_fake_inputs=True), _own_propagation_fake_mode():
+    with FakeTensorMode(allow_non_fake_inputs=True), _own_propagation_fake_mode(), _fast_fake_mode_lookup():
         model.to_empty(device="cpu")
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
@@ -306,10 +322,12 @@ def trace_step(model: nn.Module, *, batch: int, seq: int, units: Sequence[str]) 
         # (most of the trace's time on a deep model).
         shards = [_local(p) for p in params]
         optimizer = torch.optim.AdamW(shards, lr=1e-4, foreach=True)
-        for shard in shards:  # steady state: AdamW's state exists, gradients were dropped
-            shard.grad = torch.zeros_like(shard)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for shard in shards:  # steady state: AdamW's state exists (its documented layout)
+            optimizer.state[shard] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(shard),
+                "exp_avg_sq": torch.zeros_like(shard),
+            }
         tokens = torch.randint(0, vocab, (batch, seq))
         labels = torch.randint(0, vocab, (batch, seq))
         tracker = _StepTracker(model, optimizer, units)
