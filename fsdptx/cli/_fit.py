@@ -361,6 +361,9 @@ def run_fit(args: Any) -> str:
             "optimizer": args.optimizer,
             "evaluated": len(result.candidates),
             "fitting": [c.to_json() for c in result.fitting],
+            "not_fitting": [
+                c.to_json() for c in sorted(result.candidates, key=lambda c: c.peak_bytes) if c not in result.fitting
+            ],
             "skipped": list(result.skipped),
         },
     }
