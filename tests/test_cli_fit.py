@@ -13,9 +13,10 @@ import pytest
 from fsdptx.cli._fit import meshes, parse_fit
 from fsdptx.cli._main import main
 
-# A small preset whose 8-GPU, 2 GiB search lists some configurations and not
-# others (the cross-entropy logits alone are 0.5 GiB at 4096 tokens).
-MODEL = ("--preset", "llama", "--layers", "4", "--seq", "4096")
+# A small preset whose 8-GPU, 2 GiB search lists some configurations (16,
+# some within 1% of the budget) and not others; with 4 blocks the search
+# traces 2 and 3 and extrapolates, while a re-plan traces all 4.
+MODEL = ("--preset", "llama", "--layers", "4", "--seq", "4608")
 BUDGET = 2 * 2**30
 
 

@@ -26,15 +26,19 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     return out
 
 
-def numbers(value: Any) -> set[int]:
+def figures(value: Any) -> set[str]:
+    """Every byte figure in ``value``: its numbers formatted both ways the
+    report prints them, and figures inside its strings (notes)."""
     if isinstance(value, bool):
         return set()
     if isinstance(value, int):
-        return {value}
+        return {fmt_bytes(value), f"{value:,} B"}
+    if isinstance(value, str):
+        return set(BYTES.findall(value))
     if isinstance(value, dict):
-        return set().union(*map(numbers, value.values())) if value else set()
+        return set().union(*map(figures, value.values())) if value else set()
     if isinstance(value, list):
-        return set().union(*map(numbers, value)) if value else set()
+        return set().union(*map(figures, value)) if value else set()
     return set()
 
 
@@ -46,8 +50,7 @@ def test_json_carries_every_byte_figure_of_the_text_report(
 ) -> None:
     text = run(capsys, *SMALL, *extra)
     data = json.loads(run(capsys, *SMALL, *extra, "--json"))
-    values = numbers(data)
-    shown = {fmt_bytes(v) for v in values} | {f"{v:,} B" for v in values}
+    shown = figures(data)
     printed = BYTES.findall(text)
     assert printed, "the report prints byte figures"
     missing = [f for f in printed if f not in shown]

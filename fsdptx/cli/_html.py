@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ._memory import CATEGORIES, Collective, Sample
+from ._memory import CATEGORIES, Collective, Sample, where_label
 
 __all__ = ["render_html", "write_html"]
 
@@ -38,7 +38,7 @@ _COLORS = {
     "inputs": "#bab0ac",
 }
 _OPS = {"all_gather": "#f58518", "reduce_scatter": "#e45756", "all_reduce": "#54a24b"}
-_PHASES = {"forward": "#eef4fb", "backward": "#fbf0ee", "optimizer": "#eef8ec"}
+_PHASES = {"forward": "#eef4fb", "backward": "#fbf0ee", "tp_sync": "#f6f0fb", "optimizer": "#eef8ec"}
 
 
 def _bucketed(samples: Sequence[Sample]) -> list[Sample]:
@@ -87,15 +87,30 @@ def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], pe
     )
     for frac in (0.25, 0.5, 0.75, 1.0):
         parts.append(f'<text x="4" y="{y(top * frac) + 4:.1f}" class="axis">{html.escape(fmt_bytes(top * frac))}</text>')
-    # collectives lane
+    # units lane: one segment per run of samples in the same unit and phase
+    uy = HEIGHT + 26
+    parts.append(f'<text x="4" y="{uy + 10}" class="axis">units</text>')
+    start = 0
+    for i in range(1, len(samples) + 1):
+        if i == len(samples) or (samples[i].phase, samples[i].unit) != (samples[start].phase, samples[start].unit):
+            s0 = samples[start]
+            x0, x1 = _x(s0.index, last), _x(samples[i - 1].index, last)
+            shade = "#9ab" if (len(parts) % 2) else "#ccd"
+            title = html.escape(where_label(s0))
+            parts.append(
+                f'<rect x="{x0:.1f}" y="{uy}" width="{max(1.0, x1 - x0):.1f}" height="{LANE - 6}" '
+                f'fill="{shade}"><title>{title}</title></rect>'
+            )
+            start = i
+    # collectives lanes
     lanes = sorted({c.source for c in collectives})
-    base = HEIGHT + 40
+    base = HEIGHT + 26 + LANE
     for n, source in enumerate(lanes):
         ly = base + n * LANE
         parts.append(f'<text x="4" y="{ly + 12}" class="axis">{source}</text>')
         for c in (c for c in collectives if c.source == source):
             cx = _x(c.index, last)
-            title = html.escape(f"{c.op} {fmt_bytes(c.bytes)} in {c.phase} of {c.unit or '<root>'}")
+            title = html.escape(f"{c.op} {fmt_bytes(c.bytes)} in the {where_label(Sample(c.index, c.phase, c.unit, {}))}")
             color = _OPS.get(c.op, "#888")
             parts.append(
                 f'<rect x="{cx:.1f}" y="{ly}" width="2" height="{LANE - 4}" fill="{color}"><title>{title}</title></rect>'
@@ -149,6 +164,7 @@ _SCRIPT = """
     out.textContent = best[1];
   });
   out.textContent = pts.length + " samples; point at the chart for the memory at that moment";
+  document.body.setAttribute("data-ready", "1");
 })();
 """
 
@@ -186,7 +202,7 @@ def render_html(data: dict[str, Any], samples: Sequence[Sample], collectives: Se
     m = data["memory"]
     last = max([s.index for s in samples] + [c.index for c in collectives] + [1])
     points = [
-        [round(_x(s.index, last), 1), f"{s.phase} of {s.unit or '<root>'}: {fmt_bytes(s.total)}"]
+        [round(_x(s.index, last), 1), f"{where_label(s)}: {fmt_bytes(s.total)}"]
         for s in _bucketed(samples)
     ]
     mesh = ", ".join(f"{k}={v}" for k, v in data["mesh"].items())

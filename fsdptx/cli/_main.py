@@ -296,7 +296,7 @@ def dry_run(
                 f"({APPLY_BUDGET:,} parameter shards); use a smaller tp"
             )
         shards = param_shards(model, p, dims, fsdp_applied=applied == "full")
-        trace = None if batch_seq is None else traced(model, p, applied, batch_seq)
+        trace = None if batch_seq is None else traced(model, p, applied, batch_seq, mesh)
     return DryRun(plan=p, dims=dims, shards=shards, applied=applied, params=n_params, trace=trace)
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -198,17 +199,22 @@ class _StepTracker(FSDPMemTracker):
 
     def __init__(self, mod: nn.Module, optm: torch.optim.Optimizer, units: Sequence[str]) -> None:
         super().__init__(mod, optm)
-        self._units = frozenset(units)
+        # The tracker names modules from the root's class name down
+        # (``FSDPDecoder.layers.0``); the report uses the plan's FQNs.
+        root = type(mod).__name__
+        self._units = {(f"{root}.{u}" if u else root): u for u in units}
         self.samples: list[Sample] = []
         self.collectives: list[Collective] = []
         self._counter = 0
+        self.stage = ""  # set by the caller: "tp_sync" or "optimizer" after backward
 
     def _where(self) -> tuple[str, str]:
-        if self._in_opt:
-            return "optimizer", ""
-        active = [m for m in self._mod_tracker.parents if m in self._units or m == "Global"]
-        unit = max((m for m in active if m != "Global"), key=len, default="")
-        return ("backward" if self._mod_tracker.is_bw else "forward"), unit
+        if self._in_opt or self.stage:
+            return self.stage or "optimizer", ""
+        phase = "backward" if self._mod_tracker.is_bw else "forward"
+        names = [n.replace("._checkpoint_wrapped_module", "") for n in self._mod_tracker.parents]
+        active = [n for n in names if n in self._units]
+        return phase, self._units[max(active, key=len)] if active else ""
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         super()._update_peak_stats(peak_state)
@@ -243,7 +249,7 @@ class _StepTracker(FSDPMemTracker):
             if op == "all_gather":  # the output is group-size times the input
                 group = next((a for a in args if isinstance(a, int)), 1)
                 nbytes *= group
-            source = "replica" if name == "allreduce_" else "tp"
+            source = "tp_replica_sync" if self.stage == "tp_sync" else "replica" if name == "allreduce_" else "tp"
         phase, unit = self._where()
         self.collectives.append(Collective(self._counter, op, source, unit, phase, nbytes))
         self._counter += 1
@@ -258,6 +264,7 @@ class Trace:
     activations: int
     batch_seq: tuple[int, int]
     offloaded: bool = False  # traced without CPUOffloadPolicy, which stands for it (see estimate_from_trace)
+    notes: tuple[str, ...] = ()  # what was estimated instead of traced
 
 
 def _logits(out: object) -> torch.Tensor:
@@ -284,25 +291,64 @@ def _vocab_input(model: nn.Module) -> int:
     return int(emb.num_embeddings)
 
 
+def _tp_replica_sync(tracker: _StepTracker, model: nn.Module, mesh: DeviceMesh) -> tuple[str, ...]:
+    """Run :func:`fsdptx.synchronize_tp_replica_gradients` as a training
+    step does between backward and the optimizer. Where it cannot run under
+    fake mode (it reads data-dependent shapes), estimate it: one all-reduce
+    of every TP-replicated gradient in its reduce dtype, through buffers of
+    at most ``DEFAULT_MAX_BUFFER_BYTES``; returns the note saying so."""
+    from .._chunks import DEFAULT_MAX_BUFFER_BYTES
+    from .._dtypes import gradient_reduce_dtype
+    from ..tp._replicas import synchronize_tp_replica_gradients
+    from ._main import _tp_dim
+
+    try:
+        synchronize_tp_replica_gradients([model], mesh)
+        return ()
+    except Exception as e:  # noqa: BLE001 - any failure under fake mode falls back to the estimate
+        reason = f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+    nbytes = sum(
+        _local(p).numel() * gradient_reduce_dtype(p.dtype).itemsize
+        for p in model.parameters()
+        if p.requires_grad and _tp_dim(p) is None
+    )
+    before = tracker.sample()
+    buffer = min(nbytes, DEFAULT_MAX_BUFFER_BYTES)
+    tracker.samples[-1] = Sample(
+        before.index, "tp_sync", "", {**before.bytes, "temporaries": before.bytes.get("temporaries", 0) + buffer}
+    )
+    tracker.collectives.append(Collective(tracker._counter, "all_reduce", "tp_replica_sync", "", "tp_sync", nbytes))
+    tracker._counter += 1
+    return (
+        f"tp-replica sync: estimated, not traced ({reason}): one all-reduce of {nbytes:,} B of TP-replicated "
+        f"gradients through buffers of at most {DEFAULT_MAX_BUFFER_BYTES:,} B",
+    )
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor itself otherwise)."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def trace_step(model: nn.Module, *, batch: int, seq: int, units: Sequence[str]) -> Trace:
+def trace_step(
+    model: nn.Module, *, batch: int, seq: int, units: Sequence[str], mesh: DeviceMesh | None = None
+) -> Trace:
     """Trace one training step of ``model``, parallelized on the meta
     device, on the fake mesh that is current.
 
     Materializes the model as fake tensors, builds AdamW with its state,
     then tracks forward, cross-entropy loss, backward and the optimizer
-    step. ``units`` are the FSDP units' first FQNs (samples are attributed
-    to the innermost). Mutates ``model`` (its tensors become fake).
+    step; with a ``tp`` dim in ``mesh`` also the TP-replica gradient sync
+    between backward and the optimizer step, as a training loop does.
+    ``units`` are the FSDP units' first FQNs (samples are attributed to the
+    innermost). Mutates ``model`` (its tensors become fake).
 
     Args:
         model: a model that ``FSDP2Manager.parallelize`` applied on the meta device.
         batch: sequences per data-parallel rank.
         seq: tokens per sequence.
         units: FQNs to attribute samples to.
+        mesh: the fake mesh the model was parallelized on.
 
     Returns:
         The samples, the collectives and the activation bytes at the end of forward.
@@ -338,21 +384,29 @@ def trace_step(model: nn.Module, *, batch: int, seq: int, units: Sequence[str]) 
             del logits
             end_of_forward = tracker.sample()
             loss.backward()
+            notes: tuple[str, ...] = ()
+            if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
+                tracker.stage = "tp_sync"
+                notes = _tp_replica_sync(tracker, model, mesh)
+            tracker.stage = "optimizer"
             for p, shard in zip(params, shards):
                 shard.grad = None if p.grad is None else _local(p.grad)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             model.zero_grad(set_to_none=True)
     activations = end_of_forward.bytes.get("activations", 0)
-    return Trace(tuple(tracker.samples), tuple(tracker.collectives), activations, (batch, seq))
+    return Trace(tuple(tracker.samples), tuple(tracker.collectives), activations, (batch, seq), notes=notes)
 
 
 # --------------------------------------------------------------------------- the estimate
 
 
-def _where_label(sample: Sample) -> str:
+def where_label(sample: Sample) -> str:
+    """``forward of layers.3``, ``backward of <root>``, ``optimizer step``, ``tp_sync``."""
     if sample.phase == "optimizer":
         return "optimizer step"
+    if sample.phase not in ("forward", "backward"):
+        return sample.phase
     return f"{sample.phase} of {sample.unit or '<root>'}"
 
 
@@ -417,6 +471,7 @@ def estimate_from_trace(
             "parameters, gradients and optimizer state it keeps on the host are left out of the peak",
         )
     sample = trace.samples[i]
+    notes = (*trace.notes, *notes)
     return MemoryEstimate(
         batch=batch,
         seq=seq,
@@ -425,7 +480,7 @@ def estimate_from_trace(
         optimizer_bytes=states,
         activations_bytes=trace.activations,
         peak_bytes=peak,
-        peak_at=_where_label(sample),
+        peak_at=where_label(sample),
         peak_breakdown=breakdown,
         timeline=trace.samples,
         collectives=trace.collectives,
@@ -474,7 +529,7 @@ def estimate_memory(
     manager.parallelize(model)
     shards = param_shards(model, p, manager.dims, fsdp_applied=True)
     units = [u.modules[0] for u in p.units]
-    trace = trace_step(model, batch=batch, seq=seq, units=units)
+    trace = trace_step(model, batch=batch, seq=seq, units=units, mesh=manager.device_mesh)
     return estimate_from_trace(trace, shards, batch=batch, seq=seq, optimizer=optimizer)
 
 
@@ -503,7 +558,7 @@ def disable_kv_cache(model: nn.Module) -> list[str]:
     return changed
 
 
-def traced(model: nn.Module, plan: Any, applied: str, batch_seq: tuple[int, int]) -> Trace:
+def traced(model: nn.Module, plan: Any, applied: str, batch_seq: tuple[int, int], mesh: DeviceMesh) -> Trace:
     """:func:`trace_step` for the dry run, which has applied ``plan``
     (``applied == "full"``) on the current fake mesh."""
     from ._main import APPLY_BUDGET, UsageError
@@ -516,7 +571,7 @@ def traced(model: nn.Module, plan: Any, applied: str, batch_seq: tuple[int, int]
         )
     batch, seq = batch_seq
     try:
-        return trace_step(model, batch=batch, seq=seq, units=[u.modules[0] for u in plan.units])
+        return trace_step(model, batch=batch, seq=seq, units=[u.modules[0] for u in plan.units], mesh=mesh)
     except (TypeError, RuntimeError, NotImplementedError) as e:
         raise UsageError(
             f"the training step could not be traced under FakeTensorMode ({type(e).__name__}: "
