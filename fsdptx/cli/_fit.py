@@ -39,7 +39,7 @@ from typing import Any
 from torch import nn
 
 from ..planning._plan import Plan
-from ._memory import Trace, rescale, steady_bytes
+from ._memory import Trace, disable_kv_cache, rescale, steady_bytes
 from ._report import ParamShard, step_traffic
 
 __all__ = ["Candidate", "FitResult", "parse_fit", "search"]
@@ -303,6 +303,8 @@ def search(
             traced = []
             for n in counts:
                 model = build(n)
+                if ac:
+                    disable_kv_cache(model)  # as the dry run and a training run with checkpointing do
                 setting = config(sequence_parallel=tp > 1, activation_checkpointing=ac)
                 run = dry_run(model, shape, names, setting, batch_seq=(batch, seq))
                 if run.trace is None:  # dry_run traces whenever batch_seq is given

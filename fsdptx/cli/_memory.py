@@ -280,7 +280,8 @@ def _logits(out: object) -> torch.Tensor:
 
 
 def _vocab_input(model: nn.Module) -> int:
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    getter = getattr(model, "get_input_embeddings", None)
+    emb = getter() if callable(getter) else None
     if not isinstance(emb, nn.Embedding):
         emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if emb is None:
