@@ -1,2 +1,3 @@
-"""``python -m fsdptx plan``: the dry run (``_main``) and the memory and
-traffic report it prints (``_report``)."""
+"""``python -m fsdptx plan``: the dry run (``_main``), the shape-only memory
+and traffic report (``_report``), the traced training step (``_memory``),
+``--fit`` (``_fit``) and ``--html`` (``_html``)."""

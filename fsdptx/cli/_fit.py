@@ -382,7 +382,7 @@ def run_fit(args: Any) -> str:
             f"{i:3}. --mesh {c.mesh_arg}  ac={c.activation_checkpointing or 'off'}  offload={'on' if c.offload else 'off'}"
             f"  peak {fmt_bytes(c.peak_bytes)}  comm {fmt_bytes(c.comm_total)} ({comm or 'none'})"
         )
-        lines.append(f"     {c.config_text()}  # python -m fsdptx plan {' '.join(c.cli_args())}")
+        lines.append(f"     {c.config_text()}  # python -m fsdptx plan <model options> {' '.join(c.cli_args())}")
     lines += [f"skipped {s}" for s in result.skipped]
     if any(c.extrapolated for c in result.candidates):
         lines.append(
