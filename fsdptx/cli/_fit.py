@@ -39,7 +39,7 @@ from typing import Any
 from torch import nn
 
 from ..planning._plan import Plan
-from ._memory import Trace, disable_kv_cache, rescale, steady_bytes
+from ._memory import Trace, disable_kv_cache, rescale, steady_bytes, traced_steady
 from ._report import ParamShard, step_traffic
 
 __all__ = ["Candidate", "FitResult", "parse_fit", "search"]
@@ -198,9 +198,7 @@ def evaluate(
     acts: list[tuple[int, float]] = []
     tp_comm: list[tuple[int, float]] = []
     for n_layers, trace, shards_at in measured.traces:
-        first = trace.samples[0].bytes
-        grads_traced = max(s.bytes.get("sharded_grads", 0) for s in trace.samples)
-        traced = (first.get("sharded_params", 0), grads_traced, first.get("optimizer_state", 0))
+        traced = traced_steady(trace)
         target = (0, 0, 0) if offload else steady_bytes(shards_at(shard), optimizer)
         peak, _, _ = rescale(trace, traced=traced, target=target)
         peaks.append((n_layers, peak))

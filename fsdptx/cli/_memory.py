@@ -461,7 +461,7 @@ def estimate_from_trace(
     what was traced). With ``offload`` (FSDP2's ``CPUOffloadPolicy``) the
     sharded parts live on the host: the device peak leaves them out, and a
     note says so (the fake mesh is a CPU mesh, so the trace cannot tell)."""
-    traced = _traced_steady(trace)
+    traced = traced_steady(trace)
     params, grads, states = steady_bytes(shards, optimizer)
     target = (0, 0, 0) if offload else (params, grads, states)
     peak, i, breakdown = rescale(trace, traced=traced, target=target)
@@ -489,7 +489,7 @@ def estimate_from_trace(
     )
 
 
-def _traced_steady(trace: Trace) -> tuple[int, int, int]:
+def traced_steady(trace: Trace) -> tuple[int, int, int]:
     """(sharded params, sharded grads once all are reduced, optimizer state)
     as traced: params and state as the step starts (the optimizer step's
     temporaries also count as optimizer state), gradients at their most
