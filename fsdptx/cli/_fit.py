@@ -86,6 +86,7 @@ class Candidate:
     optimizer_bytes: int
     comm_bytes: dict[str, int]
     extrapolated: bool
+    mp: str = "bf16"  # the dry run's --mp: bf16 is FSDP2Config's default policy
 
     @property
     def comm_total(self) -> int:
@@ -105,6 +106,14 @@ class Candidate:
             parts.append(f"activation_checkpointing={self.activation_checkpointing!r}")
         if self.offload:
             parts.append("offload_policy=CPUOffloadPolicy()")
+        if self.mp == "none":
+            parts.append("mp_policy=None")
+        elif self.mp != "bf16":
+            dtype = {"fp16": "float16", "fp32": "float32"}[self.mp]
+            parts.append(
+                f"mp_policy=MixedPrecisionPolicy(param_dtype=torch.{dtype}, reduce_dtype=torch.float32, "
+                f"output_dtype=torch.{dtype})"
+            )
         return f"FSDP2Config({', '.join(parts)})"
 
     def cli_args(self) -> list[str]:
@@ -116,6 +125,8 @@ class Candidate:
             args += ["--ac", str(self.activation_checkpointing)]
         if self.offload:
             args.append("--offload")
+        if self.mp != "bf16":
+            args += ["--mp", self.mp]
         return args
 
     def to_json(self) -> dict[str, Any]:
@@ -349,6 +360,11 @@ def run_fit(args: Any) -> str:
 
     try:
         result = search(build, layers, gpus, budget, batch=batch, seq=seq, optimizer=args.optimizer, config=config)
+        result = dataclasses.replace(
+            result,
+            candidates=tuple(dataclasses.replace(c, mp=args.mp) for c in result.candidates),
+            fitting=tuple(dataclasses.replace(c, mp=args.mp) for c in result.fitting),
+        )
     except ValueError as e:
         raise UsageError(f"cannot fit {name}: {' '.join(str(e).split())}") from None
     data = {
