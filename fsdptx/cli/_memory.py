@@ -217,7 +217,10 @@ class _StepTracker(FSDPMemTracker):
         return phase, self._units[max(active, key=len)] if active else ""
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
+        # Called after every operator. The tracker would update each active
+        # module's local peak here (a walk over all modules per operator);
+        # the per-operator samples make those peaks redundant.
+        del peak_state
         self.sample()
 
     def sample(self) -> Sample:
