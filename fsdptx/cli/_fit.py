@@ -25,7 +25,9 @@ wire (ring algorithms): an all-gather or reduce-scatter of ``B`` bytes over
 ``n`` ranks moves ``B (n-1)/n``, an all-reduce ``2 B (n-1)/n``. FSDP's
 come from the plan's units (two all-gathers for a unit that reshards after
 forward, one reduce-scatter), HSDP's all-reduce of the sharded gradients
-over ``dp_replicate``, TP's from the traced step.
+over ``dp_replicate``, TP's from the traced step. Offload adds its host
+copies (at least the sharded parameters to the device and the sharded
+gradients back, per step), so it ranks below the same mesh without it.
 """
 
 from __future__ import annotations
@@ -226,6 +228,8 @@ def evaluate(
     grad_numel = sum(s.local_numel for s in full_shards.values() if s.requires_grad)
     comm["hsdp_all_reduce"] = _ring(4 * grad_numel, rep, 2)  # fp32, the dry run's reduce dtype
     comm["tp"] = _ring(_extrapolate(tp_comm, layers), tp)
+    if offload:  # host links, not the network: at least one copy of each sharded part each way
+        comm["offload_host_copies"] = params + grads
     return Candidate(
         mesh=mesh,
         activation_checkpointing=ac,
