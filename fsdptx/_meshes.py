@@ -25,6 +25,7 @@ KNOWN_DIMS = ("dp_replicate", *_SHARD_DIMS, "tp", "pp")
 MOE_DP_DIMS = ("ep_replicate", "ep_shard", "dp_replicate", "dp_shard", "dp", "dp_shard_cp", "dp_cp", "cp")
 _MOE_KNOWN = (*MOE_DP_DIMS, "ep", "tp", "pp")
 _FLAT_SHARD = "dp_shard_cp"
+_REPLICATE_ONLY_SHARD = "dp_shard"  # the size-1 shard dim of a replicate-only mesh
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,22 @@ def _names(mesh: DeviceMesh, known: tuple[str, ...], what: str) -> tuple[str, ..
     return tuple(names)
 
 
+def _refuse_two_shard_names(names: tuple[str, ...]) -> None:
+    """``dp`` and ``dp_shard`` name the same role; a mesh with both is
+    ambiguous (is ``dp`` meant as replication?), and folding both into one
+    shard dim silently would shard over ranks the user may have meant to
+    replicate over."""
+    if "dp" in names and "dp_shard" in names:
+        raise ValueError(
+            f"device_mesh has both 'dp' and 'dp_shard' dims {names}: ambiguous; name the dim FSDP "
+            "shards over 'dp_shard' and a replicated one 'dp_replicate' (or use 'dp' alone)"
+        )
+
+
 def parallel_dims(mesh: DeviceMesh) -> ParallelDims:
     """The role sizes of ``mesh``; an unknown dim name is a ``ValueError``."""
     names = _names(mesh, KNOWN_DIMS, "device_mesh")
+    _refuse_two_shard_names(names)
     size = dict(zip(names, mesh.shape))
     shard = math.prod(size[n] for n in names if n in _SHARD_DIMS)
     return ParallelDims(
@@ -85,14 +99,22 @@ def parallel_dims(mesh: DeviceMesh) -> ParallelDims:
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``fully_shard`` uses: the shard dims (``cp`` folded in,
     flattened into one when there are several), preceded by ``dp_replicate``
-    when present (a 2-D mesh: HSDP, replicate across dim 0, shard across 1)."""
+    when present (a 2-D mesh: HSDP, replicate across dim 0, shard across 1).
+
+    A mesh whose only data-parallel dim is ``dp_replicate`` replicates: it
+    becomes HSDP with a shard dim of size 1, so every rank holds whole
+    parameters (DDP semantics), not a 1-D mesh FSDP would shard over."""
     names = _names(mesh, KNOWN_DIMS, "device_mesh")
     if mesh.mesh_dim_names is None:
         return mesh
+    _refuse_two_shard_names(names)
     shard = tuple(n for n in names if n in _SHARD_DIMS)
     replicate = ("dp_replicate",) if "dp_replicate" in names else ()
     if not shard and not replicate:
         raise ValueError(f"device_mesh {dict(zip(names, mesh.shape))} has no data-parallel dim to shard over")
+    if not shard:
+        sub = mesh if names == replicate else mesh["dp_replicate"]
+        return sub._unflatten(0, (sub.size(), 1), ("dp_replicate", _REPLICATE_ONLY_SHARD))
     if len(shard) > 1:
         flat = mesh[shard]._flatten(_FLAT_SHARD)
         if not replicate:

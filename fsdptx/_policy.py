@@ -10,7 +10,7 @@ import dataclasses
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["get_internal_fsdp_mp_policy", "mp_policy_with_param_dtype", "primitive_policy"]
+__all__ = ["check_policy_dtypes", "get_internal_fsdp_mp_policy", "mp_policy_with_param_dtype", "primitive_policy"]
 
 
 def mp_policy_with_param_dtype(
@@ -56,3 +56,21 @@ def primitive_policy(mp_policy: MixedPrecisionPolicy | None) -> MixedPrecisionPo
     """The object handed to ``fully_shard``: it wants a policy, never ``None``
     (``None`` is accepted at construction and fails at the first forward)."""
     return MixedPrecisionPolicy() if mp_policy is None else mp_policy
+
+
+def check_policy_dtypes(policy: MixedPrecisionPolicy | None, where: str) -> None:
+    """Refuse a policy whose ``param_dtype``, ``reduce_dtype`` or
+    ``output_dtype`` is not a floating dtype: FSDP2 would cast parameters,
+    gradients or outputs to an integer or bool dtype, which no training
+    wants and which fails (or silently truncates) long after construction."""
+    if policy is None:
+        return
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        value = getattr(policy, name)
+        if value is None:
+            continue
+        if not isinstance(value, torch.dtype) or not value.is_floating_point:
+            raise ValueError(
+                f"{where}: mp_policy.{name} must be a floating dtype (torch.bfloat16, torch.float16, "
+                f"torch.float32) or None, got {value!r}"
+            )

@@ -466,7 +466,9 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
 def _mesh_line(data: dict[str, Any]) -> str:
     d = data["dims"]
     parts = []
-    if d["dp_replicate"] > 1:
+    if d["dp_replicate"] > 1 and d["dp_shard"] == 1:
+        parts.append(f"replicated over dp_replicate={d['dp_replicate']} (whole parameters on every rank)")
+    elif d["dp_replicate"] > 1:
         parts.append(f"HSDP: replicated over dp_replicate={d['dp_replicate']}, sharded over {d['dp_shard']} ranks")
     elif d["dp_shard"] > 1:
         parts.append(f"FSDP shards over {d['dp_shard']} ranks")

@@ -172,14 +172,22 @@ def _check_against_mesh(plan: Plan, model: nn.Module, mesh: object, moe_mesh: De
     """What only the meshes can tell: the dims are known, a TP plan has a
     ``tp`` dim to run on and fits its size, expert units have a MoE mesh,
     and an int ``reshard_after_forward`` divides the shard dim."""
+    problems: list[str] = _offload_problems(plan)
     if not isinstance(mesh, DeviceMesh):
         # Another framework's mesh object, handed to its own primitive as is.
-        return ["the plan has tensor parallelism, which needs a torch DeviceMesh"] if plan.tensor_parallel else []
+        return problems + (["the plan has tensor parallelism, which needs a torch DeviceMesh"] if plan.tensor_parallel else [])
     try:
         dims = parallel_dims(mesh)
     except ValueError as e:
-        return [str(e)]
-    problems: list[str] = []
+        return problems + [str(e)]
+    for what, m in (("device_mesh", mesh), ("moe_mesh", moe_mesh)):
+        if isinstance(m, DeviceMesh) and m.get_coordinate() is None:
+            # torch fails deep inside fully_shard (an IndexError) after the
+            # first units were already sharded.
+            problems.append(
+                f"{what} spans ranks {m.mesh.flatten().tolist()} but this process is rank "
+                f"{_global_rank()}, which is not in it; build the mesh over every rank that runs this model"
+            )
     tp = plan.tensor_parallel
     if tp is not None and tp.assignments:
         if dims.tp == 1:
@@ -208,6 +216,28 @@ def _check_against_mesh(plan: Plan, model: nn.Module, mesh: object, moe_mesh: De
         if dims.dp_shard % u.reshard_after_forward  # type: ignore[operator]
     )
     return problems
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _offload_problems(plan: Plan) -> list[str]:
+    """A CPU offload policy that pins memory needs an accelerator: pinning
+    is page-locking host memory for fast copies to a device, and torch
+    refuses it (in ``pin_memory``, after TP and earlier units were already
+    applied) on a host without one."""
+    import torch
+
+    pinned = [i for i, u in enumerate(plan.units) if getattr(u.offload_policy, "pin_memory", False)]
+    if not pinned or torch.accelerator.is_available():
+        return []
+    return [
+        f"units {preview([str(i) for i in pinned])} offload with CPUOffloadPolicy(pin_memory=True), but this "
+        "host has no accelerator to pin memory for; use CPUOffloadPolicy(pin_memory=False)"
+    ]
 
 
 def _check_checkpointing(ac: Checkpointing | None, model: nn.Module) -> list[str]:

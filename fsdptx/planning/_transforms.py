@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from .._args import require_module
+from .._policy import check_policy_dtypes
 from ..hf import hf_fp32_compute_tokens, hf_replica_reductions
 from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, marks_under_exclusions, preview
 from ._planner import ModelIndex, PlanningError, _natural, resolve_units
@@ -118,6 +119,7 @@ def plan(
         raise TypeError(f"plan: transform must be callable (model, Plan) -> Plan, got {type(transform).__name__}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"plan: mp_policy must be a MixedPrecisionPolicy or None, got {mp_policy!r}")
+    check_policy_dtypes(mp_policy, "plan")
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"plan: offload_policy must be an OffloadPolicy or None, got {offload_policy!r}")
     start = Plan(
