@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from ._args import require_positive_int
 from ._dtypes import gradient_reduce_dtype
 
 __all__ = ["DEFAULT_MAX_BUFFER_BYTES", "gradient_chunks"]
@@ -32,9 +33,15 @@ def gradient_chunks(
     memory is bounded by the budget, not by the largest tensor. Writing into a
     view writes into its tensor, which is how reduced values get back.
     Tensors that must be cut need to be contiguous.
+
+    ``max_bytes`` is checked at the call, not at the first ``next()``: a
+    generator would only raise once iterated, far from the mistake.
     """
-    if max_bytes <= 0:
-        raise ValueError(f"gradient_chunks: max_bytes must be positive, got {max_bytes}")
+    return _chunks(tensors, require_positive_int(max_bytes, "max_bytes", "gradient_chunks"))
+
+
+def _chunks(tensors: Sequence[torch.Tensor], max_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """:func:`gradient_chunks` once ``max_bytes`` is known to be a positive int."""
     chunk: list[torch.Tensor] = []
     room = max_bytes
     for index, tensor in enumerate(tensors):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ._args import require_module, require_names
+from ._args import require_dtype, require_module, require_names
 
 __all__ = [
     "LOW_PRECISION_FLOATS",
@@ -50,6 +50,7 @@ def gradient_reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     reducing in fp32 and casting back once keeps the result exact to the
     storage precision. Every other dtype is communicated as it is.
     """
+    require_dtype(dtype, "dtype", "gradient_reduce_dtype")
     return torch.float32 if dtype in LOW_PRECISION_FLOATS else dtype
 
 

@@ -10,7 +10,9 @@ import dataclasses
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["check_policy_dtypes", "get_internal_fsdp_mp_policy", "mp_policy_with_param_dtype", "primitive_policy"]
+from ._args import require_dtype
+
+__all__ = ["check_policy_dtypes", "get_internal_fsdp_mp_policy", "keep_storage_policy", "mp_policy_with_param_dtype", "primitive_policy"]
 
 
 def mp_policy_with_param_dtype(
@@ -24,7 +26,14 @@ def mp_policy_with_param_dtype(
     boundary would run again in an activation-checkpoint recompute and make it
     disagree with the original forward. ``output_dtype`` is kept; callers that
     build internal units clear it with :func:`get_internal_fsdp_mp_policy`.
+    ``param_dtype`` must be a floating ``torch.dtype``; checked even when
+    ``mp_policy`` is ``None``, so a wrong call fails on every path.
     """
+    require_dtype(param_dtype, "param_dtype", "mp_policy_with_param_dtype")
+    if not param_dtype.is_floating_point:
+        raise ValueError(f"mp_policy_with_param_dtype: param_dtype must be a floating dtype, got {param_dtype}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy_with_param_dtype: mp_policy must be a MixedPrecisionPolicy or None, got {mp_policy!r}")
     if mp_policy is None:
         return None
     if param_dtype == torch.float32:
@@ -35,6 +44,16 @@ def mp_policy_with_param_dtype(
             cast_forward_inputs=False,
         )
     return dataclasses.replace(mp_policy, param_dtype=param_dtype)
+
+
+def keep_storage_policy(mp_policy: MixedPrecisionPolicy | None) -> MixedPrecisionPolicy | None:
+    """Clone ``mp_policy`` so its unit casts nothing: parameters compute
+    and gradients reduce in their storage dtype. For units of integer, bool
+    or complex parameters, which a floating ``param_dtype`` would truncate
+    (or strip of the imaginary part)."""
+    if mp_policy is None:
+        return None
+    return dataclasses.replace(mp_policy, param_dtype=None, reduce_dtype=None)
 
 
 def get_internal_fsdp_mp_policy(

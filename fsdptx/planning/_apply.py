@@ -29,7 +29,15 @@ from .._policy import primitive_policy
 from .._tree import get_module_from_path
 from ..tp._transform import check_tensor_parallel, tied_tp_groups, tp_styles_by_module
 
-__all__ = ["PlanMismatchError", "apply_plan", "apply_resolved", "check_plan", "check_resolved", "shard_kwargs"]
+__all__ = [
+    "PlanMismatchError",
+    "apply_plan",
+    "apply_resolved",
+    "check_plan",
+    "check_resolved",
+    "require_mesh",
+    "shard_kwargs",
+]
 
 ShardModule = Callable[..., Any]
 ParallelizeModule = Callable[..., Any]
@@ -47,6 +55,17 @@ def _fail(problems: list[str]) -> None:
             "apply_plan: the plan does not fit this model; nothing was sharded:\n  - "
             + "\n  - ".join(shown)
             + "\nRe-plan with fsdptx.plan(model, ...) on the model as it is now."
+        )
+
+
+def require_mesh(mesh: object, shard_module: object, where: str) -> None:
+    """With torch's own ``fully_shard`` the mesh must be a torch
+    ``DeviceMesh`` (a string fails inside torch with an ``AttributeError``,
+    possibly after earlier units were sharded). A substituted primitive may
+    take its framework's own mesh object, handed to it as is."""
+    if shard_module is fully_shard and not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"{where}: mesh must be a torch DeviceMesh (init_device_mesh(...)), got {type(mesh).__name__} {mesh!r}"
         )
 
 
@@ -414,6 +433,9 @@ def apply_plan(
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
     require_module(model, "model", "apply_plan")
+    require_mesh(mesh, shard_module, "apply_plan")
+    if moe_mesh is not None and not isinstance(moe_mesh, DeviceMesh):
+        raise TypeError(f"apply_plan: moe_mesh must be a torch DeviceMesh or None, got {type(moe_mesh).__name__}")
     resolved, marks = _checked(plan, model)
     return apply_resolved(
         plan,

@@ -22,7 +22,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from ._apply import ShardModule, apply_resolved, check_resolved
+from .._args import require_module
+from ._apply import ShardModule, apply_resolved, check_resolved, require_mesh as _require_mesh
 from ._plan import CrossBlockRequest, DtypeRequest, Plan, Unit
 from ._planner import ModelIndex, resolve_units
 from ._snapshot import ModelWalk, walk_model
@@ -77,6 +78,8 @@ def fully_shard_by_dtype(
     block of a model) takes that call's units from a memo instead of
     planning again (:class:`_CallMemo`).
     """
+    require_module(module, "module", "fully_shard_by_dtype")
+    _require_mesh(mesh, shard_module, "fully_shard_by_dtype")
     tokens = _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
     request = _Call(mp_policy, offload_policy, tokens, reshard_after_forward)
     units, resolved = _plan_call(module, request, ignored_params, _CALLS)
@@ -343,6 +346,14 @@ def fully_shard_across_blocks(
     parameters), for use as ``ignored_params`` of the enclosing units, as a
     :class:`ParameterSet`: a ``set`` with which those calls stay linear.
     """
+    if isinstance(blocks, nn.Module) or not isinstance(blocks, Sequence):
+        raise TypeError(
+            f"fully_shard_across_blocks: blocks must be a list of the blocks (nn.Module), got {type(blocks).__name__}"
+        )
+    wrong = [f"blocks[{i}] is {type(b).__name__}" for i, b in enumerate(blocks) if not isinstance(b, nn.Module)]
+    if wrong:
+        raise TypeError(f"fully_shard_across_blocks: every block must be an nn.Module; {', '.join(wrong)}")
+    _require_mesh(mesh, shard_module, "fully_shard_across_blocks")
     names = _tuple_of_str(module_names, "module_names")
     holder = nn.ModuleList(blocks)  # a view for FQNs "0.attn.sinks"; blocks are not changed
     index = ModelIndex.build(holder)
@@ -376,6 +387,7 @@ def configure_fsdp_unused_param_reduction(module: nn.Module) -> int:
     (:func:`_align_reduce_dtypes`) to bring every gradient of the unit to one
     dtype first. Calling this twice wraps nothing twice.
     """
+    require_module(module, "module", "configure_fsdp_unused_param_reduction")
     seen: set[int] = set()
     for m in module.modules():
         if not isinstance(m, FSDPModule):
@@ -471,6 +483,7 @@ def reject_unsupported_mtp_cp(model: nn.Module) -> None:
     model has not declared context-parallel support
     (``model.supports.supports_mtp_cp``): MTP heads shift the sequence, which
     CP's sequence split would silently corrupt."""
+    require_module(model, "model", "reject_unsupported_mtp_cp")
     if _supports(model, "mtp_enabled") and not _supports(model, "supports_mtp_cp"):
         raise _MTPContextParallelError(
             f"{type(model).__name__} does not support MTP with context parallelism: multi-token "
@@ -486,7 +499,10 @@ def reject_unsupported_mtp_cp_pp(model: nn.Module, pp_size: int | None = None) -
     First the CP check of :func:`reject_unsupported_mtp_cp` (``RuntimeError``);
     then, when the model is a pipeline stage (``pp_size > 1``, or its legacy
     ``_is_pipeline_parallel_stage()`` hook returns True), ``NotImplementedError``
-    without ``supports_mtp_cp_pp``."""
+    without ``supports_mtp_cp_pp``. ``pp_size`` must be ``None`` or an int
+    (``"2"`` would compare as text)."""
+    if pp_size is not None and (isinstance(pp_size, bool) or not isinstance(pp_size, int)):
+        raise TypeError(f"reject_unsupported_mtp_cp_pp: pp_size must be an int or None, got {pp_size!r}")
     reject_unsupported_mtp_cp(model)
     if (
         _supports(model, "mtp_enabled")

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 from .._dtypes import resolve_compute_dtype, token_search
 from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind, preview
-from .._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
+from .._policy import get_internal_fsdp_mp_policy, keep_storage_policy, mp_policy_with_param_dtype
 from .._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
 from ._snapshot import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
 from ._unit_checks import is_container
@@ -355,11 +355,20 @@ class _Resolver:
 
     def policy(self, compute: torch.dtype | None, internal: bool) -> MixedPrecisionPolicy | None:
         """The policy for a unit computing in ``compute`` (``None``: the
-        caller's policy as is); internal units drop ``output_dtype``. Cached:
+        caller's policy as is; a non-floating dtype: no cast at all); internal
+        units drop ``output_dtype``. Cached:
         thousands of units share a handful of policies."""
         key = (compute, internal)
         if key not in self.policies:
-            policy = self.mp_policy if compute is None else mp_policy_with_param_dtype(self.mp_policy, compute)
+            if compute is not None and not compute.is_floating_point:
+                # Integer, bool or complex parameters: nothing to cast, and a
+                # bf16 (or fp32) cast would truncate them or drop the
+                # imaginary part; they compute and reduce as they are stored.
+                policy = keep_storage_policy(self.mp_policy)
+            elif compute is None:
+                policy = self.mp_policy
+            else:
+                policy = mp_policy_with_param_dtype(self.mp_policy, compute)
             self.policies[key] = get_internal_fsdp_mp_policy(policy) if internal else policy
         return self.policies[key]
 
@@ -390,9 +399,10 @@ def param_keys(
     the frozen ones among them.
 
     Resolved once from the facts the index recorded (no tensor is consulted
-    again); parameters with equal facts share one resolution. Non-floating
-    parameters get no key: FSDP2 never casts them and they cannot be
-    trainable, so they constrain no unit and join whichever claims them.
+    again); parameters with equal facts share one resolution. Integer and
+    bool parameters get no key: they cannot be trainable, so they constrain
+    no unit and join whichever claims them. Complex ones are keyed by their
+    storage (computing as stored).
     """
     search = token_search(tuple(fp32_tokens))
     cache: dict[tuple[torch.dtype, bool, object], DtypeKey | None] = {}
@@ -407,8 +417,11 @@ def param_keys(
         try:
             key = cache[fact]
         except KeyError:  # a handful of distinct facts in a whole model
-            floating = dtype.is_floating_point
-            key = cache[fact] = (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy)) if floating else None
+            # Complex parameters are trainable, so FSDP2 asks a unit to hold
+            # them alone like any storage dtype; their compute dtype is their
+            # storage (resolve_compute_dtype keeps every non-floating dtype).
+            keyed = dtype.is_floating_point or dtype.is_complex
+            key = cache[fact] = (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy)) if keyed else None
         if key is None:
             continue
         keys[pid] = key
@@ -646,7 +659,13 @@ def _plan_target(r: _Resolver, fqn: str, reshard: bool | int | None, is_root: bo
     if len(s.counts) <= 1:
         if s.claimed or is_root:
             only = next(iter(s.counts), None)
-            r.add([target], kind, r.policy(only[1] if only else None, False), reshard, s.claimed)
+            if only is not None:
+                compute: torch.dtype | None = only[1]
+            elif s.claimed and not is_root:  # integer or bool parameters alone: no compute dtype
+                compute = s.claimed[0][1].dtype
+            else:
+                compute = None
+            r.add([target], kind, r.policy(compute, False), reshard, s.claimed)
         return
 
     descent = _Descent(r, _subtree_states(r, target, s), s.direct, reshard, _ignored_in(r, s))

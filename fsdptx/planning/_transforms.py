@@ -78,6 +78,12 @@ def compose(*transforms: Transform) -> Transform:
     isolable only once a cross-block unit owns them) is never resolved.
     """
 
+    for i, t in enumerate(transforms):
+        if not callable(t):
+            raise TypeError(
+                f"compose: transform {i} must be callable (model, Plan) -> Plan, got {type(t).__name__} {t!r}"
+            )
+
     def composed(model: nn.Module, p: Plan, /) -> Plan:
         own_scratch = not isinstance(p.scratch, ModelIndex)
         if own_scratch:
@@ -435,6 +441,12 @@ def mark_reduction(
     matches nothing is an error: it is almost always a typo that would
     otherwise silently leave gradients unsynchronized.
     """
+    require_module(model, "model", "mark_reduction")
+    if reductions is not None and not isinstance(reductions, Mapping):
+        raise TypeError(
+            f"mark_reduction: reductions must be a mapping of module glob -> 'mean' or 'sum' "
+            f"(e.g. {{'layers.*.router': 'sum'}}), got {type(reductions).__name__} {reductions!r}"
+        )
     index = model_index(model, plan)
     marks = dict(reductions) if reductions is not None else _declared_reductions(model, index)
     globs = _tuple_of_str(

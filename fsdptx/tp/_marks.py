@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 from torch import nn
 
+from .._args import require_module
 from ..planning._plan import REDUCTIONS, Reduction
 
 __all__ = [
@@ -60,6 +61,7 @@ def mark_tp_replica_gradient_reduction(module: nn.Module, reduction: Reduction) 
     (e.g. a router that sees only its sequence shard), so the parts are added.
     Unmarked replicated parameters use ``"mean"``.
     """
+    require_module(module, "module", "mark_tp_replica_gradient_reduction")
     check_reduction(reduction, f"mark_tp_replica_gradient_reduction({type(module).__name__})")
     mark_parameter_reductions(
         module, {name: reduction for name, p in module._parameters.items() if p is not None}
@@ -105,6 +107,7 @@ def exclude_from_tp_replica_sync(module: nn.Module) -> None:
     replicas, even though nothing in their type says so. Neither their
     parameters nor their buffers are broadcast or reduced.
     """
+    require_module(module, "module", "exclude_from_tp_replica_sync")
     _set(module, _EXCLUDE_ATTR, True)
 
 
