@@ -45,6 +45,10 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DP_DIMS = tuple(n for n in KNOWN_DIMS if n not in ("tp", "pp"))
 
 MAX_WORLD = 65536
+# The largest --layers (or --hf-config num_hidden_layers) the dry run builds:
+# the largest shipped models have a few hundred blocks; a million would
+# build and plan for hours with no output.
+MAX_LAYERS = 4096
 """Largest fake world the dry run builds. Beyond it the mesh alone takes
 gigabytes and minutes; no real job is that large either."""
 
@@ -75,7 +79,8 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     names: list[str] = []
     for item in text.split(","):
         name, sep, size = item.strip().partition("=")
-        if not sep or not name.isidentifier() or not size.isdigit() or int(size) < 1:
+        # ASCII digits only: "²".isdigit() is True, but int("²") fails.
+        if not sep or not name.isidentifier() or not (size.isascii() and size.isdigit()) or int(size) < 1:
             raise UsageError(f"malformed --mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...] such as dp=2,tp=4")
         if name in names:
             raise UsageError(f"malformed --mesh {text!r}: axis {name!r} appears twice")
@@ -147,6 +152,9 @@ def _build_hf(args: argparse.Namespace) -> nn.Module:
     from ..hf import build_hf_model
 
     overrides = parse_hf_config(args.hf_config)
+    layers = overrides.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > MAX_LAYERS:
+        raise UsageError(f"--hf-config num_hidden_layers must be at most {MAX_LAYERS:,}, got {layers:,}")
     dtype = _DTYPES[args.dtype or "bf16"]
     try:
         return build_hf_model(args.hf, overrides, dtype=dtype, device="meta")
@@ -186,8 +194,8 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
         layers = 16 if args.layers is None else args.layers
         if preset not in PRESETS:
             raise UsageError(f"unknown preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}")
-        if layers < 1:
-            raise UsageError(f"--layers must be >= 1, got {layers}")
+        if not 1 <= layers <= MAX_LAYERS:
+            raise UsageError(f"--layers must be between 1 and {MAX_LAYERS:,}, got {layers:,}")
         return build_preset(preset, layers), f"{preset} (preset, {layers} layers)"
 
 
