@@ -171,3 +171,16 @@ def test_defer_fsdp_grad_sync_is_the_default_of_the_managers_context(monkeypatch
         FSDP2Manager(FSDP2Config(defer_fsdp_grad_sync=False), mesh).gradient_sync_context(small(), False)
         FSDP2Manager(FSDP2Config(), mesh).gradient_sync_context(small(), False)
     assert seen == [False, True]
+
+
+@pytest.mark.parametrize("path", ["layers.0", "layers.0.attn"])
+def test_module_already_fully_sharded_by_the_user_is_refused_by_name(path: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = small()
+    with fake_mesh((2,), ("dp",)) as mesh:
+        fully_shard(model.get_submodule(path), mesh=mesh)
+        before = state_of(model)
+        with pytest.raises(fsdptx.PlanningError, match=f"'{path}' is already FSDP-sharded.*fully_shard_by_dtype"):
+            FSDP2Manager(FSDP2Config(), mesh).parallelize(model)
+        assert_unchanged(before, state_of(model))

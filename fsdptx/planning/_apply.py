@@ -6,6 +6,7 @@ never leaves a model half-sharded.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,8 @@ __all__ = [
     "require_mesh",
     "shard_kwargs",
 ]
+
+logger = logging.getLogger(__name__)
 
 ShardModule = Callable[..., Any]
 ParallelizeModule = Callable[..., Any]
@@ -274,25 +277,18 @@ def _check_checkpointing(ac: Checkpointing | None, model: nn.Module) -> list[str
             done.append(fqn)
     if done:
         problems.append(f"modules {preview(done)} already have activation checkpointing")
-    if ac.mode == "selective":
-        # A forward that fills a KV cache recomputes a different op sequence
-        # in backward than it ran (the cache has grown by then), which
-        # selective checkpointing's replay of saved ops cannot match.
-        caching = _kv_cache_switches(model)
-        if caching:
-            problems.append(
-                "selective activation checkpointing needs the model's KV cache off in training: set "
-                + " and ".join(f"model.{path} = False" for path in caching)
-                + " before applying (Hugging Face's own gradient checkpointing does the same)"
-            )
     return problems
 
 
-def _kv_cache_switches(model: nn.Module) -> list[str]:
-    """Where the model keeps a ``use_cache`` that is on: each distinct
-    config object its modules hold (a multimodal model's language model
-    reads its text config, not the top-level one), by its first path."""
-    found: list[str] = []
+def _turn_kv_cache_off(model: nn.Module) -> None:
+    """Set every ``use_cache`` that is on to ``False``, with a warning naming it.
+
+    A forward that fills a KV cache recomputes a different op sequence in
+    backward than it ran (the cache has grown by then), which checkpointing
+    cannot replay; a training forward never needs the cache. Hugging Face's
+    own gradient checkpointing and the reference turn it off the same way.
+    Each distinct config object the modules hold is visited (a multimodal
+    model's language model reads its text config, not the top-level one)."""
     seen: set[int] = set()
     for fqn, module in model.named_modules():
         config = module.__dict__.get("config")
@@ -300,8 +296,12 @@ def _kv_cache_switches(model: nn.Module) -> list[str]:
             continue
         seen.add(id(config))
         if getattr(config, "use_cache", None) is True:
-            found.append(f"{fqn}.config.use_cache" if fqn else "config.use_cache")
-    return found
+            config.use_cache = False
+            logger.warning(
+                "activation checkpointing: set %s = False (a KV cache filled in a checkpointed forward "
+                "cannot be recomputed in backward)",
+                f"model.{fqn}.config.use_cache" if fqn else "model.config.use_cache",
+            )
 
 
 def _is_checkpointed(module: nn.Module) -> bool:
@@ -480,6 +480,7 @@ def apply_resolved(
         parallelize_module(model, tp_mesh(mesh), tp_styles_by_module(tp))  # type: ignore[arg-type]
         _retie(model, tied)
     if plan.checkpointing is not None:
+        _turn_kv_cache_off(model)
         extra = {"context_fn": _selective_context} if plan.checkpointing.mode == "selective" else {}
         for fqn in plan.checkpointing.modules:
             checkpoint_module(get_module_from_path(model, fqn), **extra)

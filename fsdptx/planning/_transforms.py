@@ -253,6 +253,7 @@ def _request_dtype(
     reshard_after_forward: bool | int | None = None,
     expert_modules: Collection[str] | None = None,
 ) -> Plan:
+    _refuse_presharded(index, "shard_by_dtype")
     if plan.dtype_request is not None:
         raise PlanningError(
             "shard_by_dtype: the plan already has a dtype request; pass every block to one "
@@ -276,6 +277,26 @@ def _request_dtype(
     )
     exclusions = plan.exclusions + tuple(e for e in experts if e not in plan.exclusions)
     return plan.replace(dtype_request=request, expert_modules=experts, exclusions=exclusions)
+
+
+def _refuse_presharded(index: ModelIndex, where: str) -> None:
+    """A module the caller already ``fully_shard``-ed is refused, by name.
+
+    Planning around it looks fine and breaks at the first forward: its unit
+    was made with a policy the plan cannot see (``fully_shard``'s default
+    computes in fp32), so it hands fp32 activations to the plan's bf16
+    units (``expected m1 and m2 to have the same dtype``). The transforms
+    plan every unit of a model; the seed-compatible imperative API
+    (``fully_shard_by_dtype`` block by block, then the root) is the way to
+    shard a model piecewise."""
+    if not index.sharded:
+        return
+    found = [f or "<root>" for f, m in zip(index.module_fqns, index.walk.modules) if id(m) in index.sharded]
+    raise PlanningError(
+        f"{where}: {preview(found)} {'is' if len(found) == 1 else 'are'} already FSDP-sharded (fully_shard was "
+        "called on it); the plan cannot know its policy and would break at the first forward. Plan and apply "
+        "a model that fully_shard has not touched, or shard piecewise with fsdptx.fully_shard_by_dtype"
+    )
 
 
 def _experts(model: nn.Module, index: ModelIndex, globs: Collection[str] | None) -> tuple[str, ...]:
@@ -355,6 +376,7 @@ def _request_cross_blocks(
     )
     if not names:
         return plan
+    _refuse_presharded(index, "shard_across_blocks")
     targets = block_fqns(blocks, index, "shard_across_blocks")
     if not targets:
         raise PlanningError(
