@@ -68,6 +68,8 @@ def resolve_compute_dtype(
     pinned: bool,
     hint: object,
     mp_policy: MixedPrecisionPolicy | None,
+    *,
+    low_precision_bulk: bool = False,
 ) -> torch.dtype:
     """The compute-dtype precedence on plain facts (first match wins):
 
@@ -79,7 +81,13 @@ def resolve_compute_dtype(
        load) wins next, so a checkpoint's fp32 params stay fp32 after storage
        was upcast;
     4. fp32 storage under a lower-precision policy is an fp32 master weight
-       and computes in the policy's ``param_dtype``;
+       and computes in the policy's ``param_dtype`` -- unless
+       ``low_precision_bulk``: in a model whose trainable bulk is stored in
+       a lower precision, an fp32 parameter is no master weight but fp32 on
+       purpose (GPT-OSS sinks, SSM ``A_log``/``dt_bias`` kept fp32 by the
+       training script) and computes in fp32. The planner decides the bulk
+       (trainable numel by storage dtype); the seed's own resolution
+       (:func:`compute_dtype`) leaves it off;
     5. otherwise the storage dtype.
     """
     if not storage.is_floating_point:
@@ -90,7 +98,7 @@ def resolve_compute_dtype(
         return hint
     if storage == torch.float32 and _is_lower_precision_policy(mp_policy):
         assert mp_policy is not None and mp_policy.param_dtype is not None
-        return mp_policy.param_dtype
+        return torch.float32 if low_precision_bulk else mp_policy.param_dtype
     return storage
 
 

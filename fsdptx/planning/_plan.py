@@ -66,6 +66,10 @@ class Unit:
     numel: int
     nbytes: int
     mesh: UnitMesh = "dp"
+    # Why the planner chose what a reader would not expect from the policy
+    # alone (e.g. "fp32: intrinsic, bfloat16 bulk"; "gathered: holder may
+    # return its parameter"); shown in str(plan).
+    reasons: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -325,21 +329,23 @@ def _human_bytes(n: int) -> str:
 
 def format_plan(plan: Plan) -> str:
     """Render the plan as a fixed-width table, one row per unit in order."""
-    header = ("#", "kind", "modules", "storage->compute", "params", "numel", "bytes", "reshard")
+    header: tuple[str, ...] = ("#", "kind", "modules", "storage->compute", "params", "numel", "bytes", "reshard")
+    why = any(u.reasons for u in plan.units)
+    if why:
+        header += ("why",)
     rows = [header]
     for i, u in enumerate(plan.units):
-        rows.append(
-            (
-                str(i),
-                u.kind,
-                summarize_modules(u.modules),
-                "-" if u.storage_dtype is None else f"{_dtype_name(u.storage_dtype)}->{_dtype_name(u.compute_dtype)}",
-                str(len(u.params)),
-                f"{u.numel:,}",
-                _human_bytes(u.nbytes),
-                _reshard_cell(u),
-            )
+        row: tuple[str, ...] = (
+            str(i),
+            u.kind,
+            summarize_modules(u.modules),
+            "-" if u.storage_dtype is None else f"{_dtype_name(u.storage_dtype)}->{_dtype_name(u.compute_dtype)}",
+            str(len(u.params)),
+            f"{u.numel:,}",
+            _human_bytes(u.nbytes),
+            _reshard_cell(u),
         )
+        rows.append(row + ("; ".join(u.reasons),) if why else row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

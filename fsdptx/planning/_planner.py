@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from .._dtypes import resolve_compute_dtype, token_search
+from .._dtypes import LOW_PRECISION_FLOATS, resolve_compute_dtype, token_search
 from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind, preview
 from .._policy import get_internal_fsdp_mp_policy, keep_storage_policy, mp_policy_with_param_dtype
 from .._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
@@ -275,6 +275,8 @@ class _Resolver:
     sharded: set[int]  # modules that are, or will be by then, FSDP modules
     keys: dict[int, DtypeKey] = field(default_factory=dict)  # floating params' (storage, compute)
     frozen: set[int] = field(default_factory=set)  # floating params without requires_grad
+    intrinsic: set[int] = field(default_factory=set)  # fp32 params computing fp32 because the bulk is lower precision
+    bulk: torch.dtype | None = None  # that bulk's storage dtype, for the units' reasons
     ignored: set[int] = field(default_factory=set)  # the request's ignored params
     ignored_under: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> ignored params below
     units: list[Unit] = field(default_factory=list)
@@ -336,6 +338,16 @@ class _Resolver:
         unit_keys = unit_keys or frozen_keys  # depend on the order a rank registered modules in
         storage = {k[0] for k in unit_keys}
         compute = {k[1] for k in unit_keys}
+        reasons: list[str] = []
+        if self.intrinsic and any(id(p) in self.intrinsic for _f, p in claimed):
+            reasons.append(f"fp32: intrinsic, {str(self.bulk).removeprefix('torch.')} bulk")
+        if kind == "dtype" and compute == {torch.float32} and all(_is_leaf(m) for m in modules):
+            # A parameter holder's forward may hand out its own parameter
+            # (attention sinks that ignore their input): resharding after
+            # forward would free the storage the caller still holds. Holders
+            # are small, so they stay gathered, as the cross-block unit does.
+            reshard = False
+            reasons.append("gathered: holder may return its parameter")
         unit = Unit(
             modules=tuple(here),
             params=tuple(params),
@@ -348,6 +360,7 @@ class _Resolver:
             reshard_after_forward=reshard,
             numel=numel,
             nbytes=nbytes,
+            reasons=tuple(reasons),
         )
         self.units.append(unit)
         self.sharded.update(id(m) for m in modules)
@@ -392,11 +405,39 @@ class _Resolver:
                     module = module.rpartition(".")[0]
 
 
+def low_precision_bulk(index: ModelIndex) -> torch.dtype | None:
+    """The storage dtype of the model's trainable bulk (most trainable numel;
+    all parameters when none is trainable) when it is a lower-precision
+    float (bf16, fp16, fp8), else ``None``. In such a model an fp32
+    parameter was kept fp32 on purpose and computes in fp32
+    (:func:`fsdptx._dtypes.resolve_compute_dtype`, rule 4)."""
+    trainable: dict[torch.dtype, int] = {}
+    every: dict[torch.dtype, int] = {}
+    for dtype, n, _b, _hint, grad in index.param_facts.values():
+        if not dtype.is_floating_point:
+            continue
+        every[dtype] = every.get(dtype, 0) + n
+        if grad:
+            trainable[dtype] = trainable.get(dtype, 0) + n
+    counts = trainable or every
+    if not counts:
+        return None
+    bulk = max(counts, key=lambda d: (counts[d], str(d)))  # a tie by name: every rank decides alike
+    return bulk if bulk in LOW_PRECISION_FLOATS else None
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    """Whether ``module`` has no submodules: a plain parameter holder."""
+    return not any(c is not None for c in module._modules.values())
+
+
 def param_keys(
     index: ModelIndex, mp_policy: MixedPrecisionPolicy | None, fp32_tokens: Collection[str]
-) -> tuple[dict[int, DtypeKey], set[int]]:
-    """(storage, compute) dtype of every floating parameter, and the ids of
-    the frozen ones among them.
+) -> tuple[dict[int, DtypeKey], set[int], set[int]]:
+    """(storage, compute) dtype of every floating parameter, the ids of
+    the frozen ones among them, and the ids of the fp32 parameters that
+    compute in fp32 because the model's bulk is lower precision (not pinned,
+    no hint: the rule decided, and the Plan says so).
 
     Resolved once from the facts the index recorded (no tensor is consulted
     again); parameters with equal facts share one resolution. Integer and
@@ -408,6 +449,13 @@ def param_keys(
     cache: dict[tuple[torch.dtype, bool, object], DtypeKey | None] = {}
     keys: dict[int, DtypeKey] = {}
     frozen: set[int] = set()
+    intrinsic: set[int] = set()
+    low_bulk = low_precision_bulk(index) is not None
+    by_bulk: DtypeKey | None = None  # the key the bulk rule gives fp32 storage, if it decides one
+    if low_bulk and mp_policy is not None:
+        master = resolve_compute_dtype(torch.float32, False, None, mp_policy)
+        if master != torch.float32:
+            by_bulk = (torch.float32, torch.float32)
     aliases, param_fqn = index.aliases, index.param_fqn
     for pid, (dtype, _n, _b, hint, grad) in index.param_facts.items():
         pinned = search is not None and (
@@ -421,13 +469,19 @@ def param_keys(
             # them alone like any storage dtype; their compute dtype is their
             # storage (resolve_compute_dtype keeps every non-floating dtype).
             keyed = dtype.is_floating_point or dtype.is_complex
-            key = cache[fact] = (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy)) if keyed else None
+            key = cache[fact] = (
+                (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy, low_precision_bulk=low_bulk))
+                if keyed
+                else None
+            )
         if key is None:
             continue
         keys[pid] = key
+        if by_bulk is not None and key == by_bulk and not pinned and not isinstance(hint, torch.dtype):
+            intrinsic.add(pid)
         if not grad:
             frozen.add(pid)
-    return keys, frozen
+    return keys, frozen, intrinsic
 
 
 def _shardable(fqn: str, module: nn.Module, stop: Collection[int] = ()) -> Iterator[tuple[str, nn.Module]]:
@@ -836,7 +890,7 @@ class _BlockReplay:
             if pid in aliases:
                 return None
             taken = 2 if pid in owner else 1 if pid in excluded else 0
-            slots.append((keys.get(pid), pid in frozen, taken, pid in ignored))
+            slots.append((keys.get(pid), pid in frozen, taken, pid in ignored, pid in r.intrinsic))
         sharded = r.sharded
         return (
             tuple(walk.types[top:end]),
@@ -900,6 +954,7 @@ class _BlockReplay:
                     numel=numel,
                     nbytes=nbytes,
                     mesh=u.mesh,
+                    reasons=u.reasons,
                 )
             )
             sharded.update(id(modules[top + m]) for m in shape.modules)
@@ -1053,8 +1108,11 @@ def resolve_units(
     tests compare against it)."""
     idx = index or ModelIndex.build(model)
     tokens = dtype_request.fp32_compute_module_names if dtype_request is not None else ()
-    keys, frozen = param_keys(idx, mp_policy, tokens)
-    r = _Resolver(idx, mp_policy, offload_policy, excluded=set(), sharded=set(idx.sharded), keys=keys, frozen=frozen)
+    keys, frozen, intrinsic = param_keys(idx, mp_policy, tokens)
+    r = _Resolver(
+        idx, mp_policy, offload_policy, excluded=set(), sharded=set(idx.sharded), keys=keys, frozen=frozen,
+        intrinsic=intrinsic, bulk=low_precision_bulk(idx) if intrinsic else None,
+    )
     reshard = dtype_request.reshard_after_forward if dtype_request is not None else None
     if dtype_request is not None:
         r.ignore(dtype_request.ignored_params)
