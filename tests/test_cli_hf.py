@@ -157,3 +157,9 @@ def test_build_hf_model_refuses_a_typo_in_a_config_key() -> None:
 
     with pytest.raises(ValueError, match="did you mean 'num_hidden_layers'"):
         build_hf_model("llama", {"num_hiden_layers": 2})
+
+
+def test_stock_bert_lm_head_model_plans(capsys: pytest.CaptureFixture[str]) -> None:
+    config = "is_decoder=true,num_hidden_layers=2,hidden_size=32,intermediate_size=64,num_attention_heads=4,vocab_size=64"
+    assert main(["plan", "--hf", "bert", "--hf-config", config, "--mesh", "dp=2"]) == 0
+    assert "BertLMHeadModel" in capsys.readouterr().out

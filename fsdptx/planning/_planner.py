@@ -992,10 +992,29 @@ def plan_dtype_units(r: _Resolver, request: DtypeRequest, *, replay_blocks: bool
             )
         for element, _m in _shardable(fqn, target):  # a ModuleList target means its elements
             is_root = element == "" and request.always_shard_root
+            if element and index.tied and _tied_outside(index, element):
+                continue  # the enclosing unit owns the tie: see _tied_outside
             if replay is not None and not is_root:
                 replay.plan(element, request.reshard_after_forward)
             else:
                 _plan_target(r, element, request.reshard_after_forward, is_root)
+
+
+def _tied_outside(index: ModelIndex, fqn: str) -> bool:
+    """Whether module ``fqn`` holds a parameter also registered outside it.
+
+    Such a target gets no unit of its own: FSDP2 needs a tied parameter in
+    one unit, and a unit of the target would own it while the module outside
+    (BERT's ``cls.predictions.decoder``, tied to the embeddings that
+    ``_no_split_modules`` lists) still uses it. The enclosing unit, the
+    root's when nothing smaller holds both, owns the target's parameters."""
+    top = index.walk.position[id(index.modules[fqn])]
+    inside = fqn + "."
+    for p in index.walk.params[index.slot_start[top] : index.slot_start[index.subtree_end[top]]]:
+        others = index.aliases.get(id(p))
+        if others is not None and any(not n.startswith(inside) for n in index.names(p)):
+            return True
+    return False
 
 
 def plan_cross_block_units(
