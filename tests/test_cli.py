@@ -330,7 +330,7 @@ BAD_ARGUMENTS: list[tuple[Sequence[str], str]] = [
     (["--factory", "fsdptx_test_factory:missing"], "no callable 'missing'"),
     (["--factory", "fsdptx_test_factory:not_callable"], "no callable 'not_callable'"),
     (["--factory", "fsdptx_test_factory:not_a_module"], "returned int, not an nn.Module"),
-    (["--layers", "0"], "--layers must be >= 1"),
+    (["--layers", "0"], "--layers must be between 1 and"),
     (["--layers", "two"], "invalid int value"),
     (["--mp", "fp8"], "invalid choice"),
     (["--ac", "some"], "invalid choice"),
