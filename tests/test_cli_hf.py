@@ -163,3 +163,11 @@ def test_stock_bert_lm_head_model_plans(capsys: pytest.CaptureFixture[str]) -> N
     config = "is_decoder=true,num_hidden_layers=2,hidden_size=32,intermediate_size=64,num_attention_heads=4,vocab_size=64"
     assert main(["plan", "--hf", "bert", "--hf-config", config, "--mesh", "dp=2"]) == 0
     assert "BertLMHeadModel" in capsys.readouterr().out
+
+
+def test_selective_checkpointing_dry_run_of_an_hf_model_turns_the_cache_off_and_plans(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = "num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=4,vocab_size=128"
+    assert main(["plan", "--hf", "llama", "--hf-config", config, "--ac", "selective", "--mesh", "dp=2"]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
