@@ -48,6 +48,10 @@ class Layout:
     final_norm: str
     head: str
     keyword: str | None = None  # the region input's keyword, where the block passes it by name
+    # Hugging Face models derive positions from the embedding output's
+    # length: it stays a Shard(1) DTensor (whose length reads whole) until
+    # the first block takes its local part.
+    dtensor_embedding: bool = False
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -75,6 +79,7 @@ LAYOUTS: dict[str, Layout] = {
         "model.norm",
         "lm_head",
         keyword="hidden_states",
+        dtensor_embedding=True,
     ),
 }
 
@@ -94,7 +99,9 @@ def explicit_plan(name: str, *, loss_parallel: bool = False) -> dict[str, Parall
     """torchtitan's styles for model ``name`` (a key of :data:`LAYOUTS`), by glob."""
     layout = LAYOUTS[name]
     plan: dict[str, ParallelStyle] = {
-        layout.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        layout.embedding: RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=not layout.dtensor_embedding
+        ),
         layout.final_norm: SequenceParallel(),
         layout.head: ColwiseParallel(
             input_layouts=Shard(1),
@@ -102,6 +109,9 @@ def explicit_plan(name: str, *, loss_parallel: bool = False) -> dict[str, Parall
             use_local_output=not loss_parallel,
         ),
     }
+    if layout.dtensor_embedding:
+        first = layout.blocks.replace("*", "0")
+        plan[first] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
     for norm in layout.norms:
         plan[f"{layout.blocks}.{norm}"] = SequenceParallel()
     for region, (colwise, rowwise) in layout.regions.items():
