@@ -246,9 +246,8 @@ def _relay(t: Any, style: object, mesh: DeviceMesh, source: Placement, target: P
     if not isinstance(t, torch.Tensor) or getattr(t, _RELAID, None) is style:
         return t
     dt = t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, (source,), run_check=False)
-    out = dt.redistribute(mesh, (target,))
-    if local:
-        out = out.to_local()
+    relaid = dt.redistribute(mesh, (target,))
+    out: torch.Tensor = relaid.to_local() if local else relaid
     setattr(out, _RELAID, style)
     return out
 
