@@ -51,7 +51,7 @@ from .planning._transforms import (
     shard_by_dtype,
 )
 from .manager import FSDP2Config, FSDP2Manager, gradient_sync_context, patch_is_packed_sequence
-from .tp import tensor_parallel
+from .tp import loss_parallel, tensor_parallel
 from ._tree import (
     get_module_from_path,
     iter_maximal_uniform_dtype_subtrees,
@@ -98,6 +98,7 @@ __all__ = [
     "iter_maximal_uniform_dtype_subtrees",
     "iter_unique_named_buffers",
     "iter_unique_named_parameters",
+    "loss_parallel",
     "make_compute_dtype_fn",
     "mark_reduction",
     "mark_tp_replica_gradient_reduction",

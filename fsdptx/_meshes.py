@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["KNOWN_DIMS", "MOE_DP_DIMS", "ParallelDims", "fsdp_mesh", "moe_dp_dims", "moe_fsdp_mesh", "parallel_dims", "tp_mesh"]
+__all__ = ["KNOWN_DIMS", "MOE_DP_DIMS", "ParallelDims", "fsdp_mesh", "moe_dp_dims", "moe_fsdp_mesh", "parallel_dims", "tp_mesh", "unit_dp_mesh"]
 
 _SHARD_DIMS = ("dp_shard", "dp", "dp_shard_cp", "dp_cp", "cp")
 KNOWN_DIMS = ("dp_replicate", *_SHARD_DIMS, "tp", "pp")
@@ -111,7 +111,7 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     shard = tuple(n for n in names if n in _SHARD_DIMS)
     replicate = ("dp_replicate",) if "dp_replicate" in names else ()
     if not shard and not replicate:
-        raise ValueError(f"device_mesh {dict(zip(names, mesh.shape))} has no data-parallel dim to shard over")
+        return unit_dp_mesh(mesh)
     if not shard:
         sub = mesh if names == replicate else mesh["dp_replicate"]
         return sub._unflatten(0, (sub.size(), 1), ("dp_replicate", _REPLICATE_ONLY_SHARD))
@@ -124,6 +124,17 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if dims == tuple(names):
         return mesh
     return mesh[dims[0]] if len(dims) == 1 else mesh[dims]
+
+
+def unit_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """A data-parallel mesh of one rank for a mesh that has none (``tp``
+    alone, say), derived from ``mesh`` itself: FSDP then only applies its
+    mixed-precision and offload policies, and a TP DTensor parameter's mesh
+    and this one share a root, as FSDP2 requires of 2-D parameters. Every
+    rank derives it alike, as it must: deriving a mesh may set up its
+    groups collectively."""
+    names = mesh.mesh_dim_names or ("dp",)
+    return mesh._unflatten(0, (1, mesh.shape[0]), ("dp_shard", names[0]))["dp_shard"]
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:

@@ -29,7 +29,7 @@ from .planning._apply import apply_plan
 from .planning._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
 from ._meshes import ParallelDims, moe_dp_dims, parallel_dims, tp_mesh
 from .planning._plan import Plan
-from .planning._planner import discover_blocks
+from .planning._planner import ModelIndex, discover_blocks, resolve_blocks
 from .planning._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
 from .planning._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
 from .tp import check_tensor_parallel, tensor_parallel
@@ -160,9 +160,19 @@ class FSDP2Config:
     Beyond the reference: ``expert_modules`` (globs of expert modules,
     sharded over ``moe_mesh``; default: what the model declares; given
     without a ``moe_mesh`` it has no effect, and the manager logs a warning
-    saying so) and ``cross_block_modules`` (block-relative names whose fp32
+    saying so), ``cross_block_modules`` (block-relative names whose fp32
     holders become one unit across all blocks, e.g. ``("self_attn",)`` for
-    GPT-OSS sinks; default: the model's ``_fsdp_shard_across_blocks``).
+    GPT-OSS sinks; default: the model's ``_fsdp_shard_across_blocks``),
+    ``blocks`` (the model's blocks as class names, FQNs or globs such as
+    ``"layers.*"``; default: ``_no_split_modules``, else the largest
+    ``nn.ModuleList`` or ``nn.ModuleDict`` of same-class children) and
+    ``loss_parallel`` (with tensor parallelism, the head's logits stay
+    vocabulary-sharded DTensors; compute the loss under
+    :func:`fsdptx.loss_parallel`).
+
+    The mixed-precision policy applies on every mesh: with one
+    data-parallel rank each block is still an FSDP unit (on a size-1
+    data-parallel mesh), which is what casts it, as the reference does.
 
     Deliberately absent: ``activation_checkpointing_scope``,
     ``autocast_dtype`` and ``multimodal``. The reference pages fsdptx is
@@ -186,6 +196,8 @@ class FSDP2Config:
     fsdp2_forward_prefetch_depth: int = 1
     expert_modules: tuple[str, ...] | None = None
     cross_block_modules: tuple[str, ...] | None = None
+    blocks: tuple[str, ...] | None = None
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -195,6 +207,7 @@ class FSDP2Config:
             "enable_async_tensor_parallel",
             "enable_compile",
             "enable_fsdp2_prefetch",
+            "loss_parallel",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FSDP2Config.{name} must be a bool, got {getattr(self, name)!r}")
@@ -221,7 +234,7 @@ class FSDP2Config:
             raise ValueError(f"FSDP2Config.reshard_after_forward must be None, a bool or an int >= 1, got {r!r}")
         object.__setattr__(self, "tp_plan", _check_tp_plan(self.tp_plan))
         check_policy_dtypes(self.mp_policy, "FSDP2Config")
-        for name in ("expert_modules", "cross_block_modules"):
+        for name in ("expert_modules", "cross_block_modules", "blocks"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
                 raise TypeError(f"FSDP2Config.{name} must be a tuple of str, got {value!r}")
@@ -298,18 +311,28 @@ class FSDP2Manager:
         the mesh: TP, checkpointing, dtype and cross-block units, reduction
         marks, reshard policy, prefetch (each only where it applies)."""
         cfg, dims = self.config, self.dims
+        blocks = cfg.blocks
         steps: list[Transform] = []
         if dims.tp > 1:
-            steps.append(functools.partial(tensor_parallel, plan=cfg.tp_plan, sequence_parallel=cfg.sequence_parallel))
+            steps.append(
+                functools.partial(
+                    tensor_parallel,
+                    plan=cfg.tp_plan,
+                    sequence_parallel=cfg.sequence_parallel,
+                    loss_parallel=cfg.loss_parallel,
+                    blocks=blocks,
+                )
+            )
         if cfg.checkpoint_mode is not None:
-            steps.append(functools.partial(checkpoint_activations, mode=cfg.checkpoint_mode))
-        if dims.sharding_enabled:
+            steps.append(functools.partial(checkpoint_activations, mode=cfg.checkpoint_mode, blocks=blocks))
+        units = self._plans_units()
+        if units:
             steps += [
-                functools.partial(shard_by_dtype, expert_modules=self._expert_modules(model)),
-                functools.partial(shard_across_blocks, module_names=cfg.cross_block_modules),
+                functools.partial(shard_by_dtype, expert_modules=self._expert_modules(model), blocks=blocks),
+                functools.partial(shard_across_blocks, module_names=cfg.cross_block_modules, blocks=blocks),
             ]
         steps.append(mark_reduction)
-        if dims.sharding_enabled:
+        if units:
             steps.append(functools.partial(reshard_policy, pipeline_parallel=dims.pp > 1))
             if cfg.enable_fsdp2_prefetch:
                 steps.append(
@@ -322,6 +345,13 @@ class FSDP2Manager:
             if dims.cp > 1:
                 steps.append(reduce_unused_params)
         return compose(*steps)
+
+    def _plans_units(self) -> bool:
+        """FSDP units are planned when several ranks share the parameters,
+        and also on one data-parallel rank when a mixed-precision or
+        offload policy must be applied: FSDP is what applies them."""
+        cfg = self.config
+        return self.dims.sharding_enabled or cfg.mp_policy is not None or cfg.offload_policy is not None
 
     def _expert_modules(self, model: nn.Module) -> tuple[str, ...]:
         """Experts get units of their own only when there is a MoE mesh for
@@ -359,8 +389,12 @@ class FSDP2Manager:
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply :meth:`plan` to ``model`` with :func:`fsdptx.apply_plan`
-        (everything validated before anything is mutated); returns ``model``."""
-        result = apply_plan(self.plan(model), model, self.device_mesh, moe_mesh=self.moe_mesh)
+        (everything validated before anything is mutated); returns ``model``.
+        The Plan's warnings (no blocks found, say) are logged."""
+        planned = self.plan(model)
+        for warning in planned.warnings:
+            logger.warning("FSDP2Manager: %s", warning)
+        result = apply_plan(planned, model, self.device_mesh, moe_mesh=self.moe_mesh)
         if self.config.patch_is_packed_sequence:
             patch_is_packed_sequence()
         return result
@@ -384,7 +418,8 @@ class FSDP2Manager:
             self._inductor_micro_pipeline_tp.append(_enable_async_tp(self.device_mesh))
         if not (self.config.enable_compile or async_tp):
             return model
-        for fqn in discover_blocks(model) or ("",):
+        blocks = resolve_blocks(self.config.blocks, ModelIndex.build(model), "maybe_compile") if self.config.blocks else discover_blocks(model)
+        for fqn in blocks or ("",):
             model.get_submodule(fqn).compile()
         return model
 

@@ -142,7 +142,8 @@ class _WithOwnDtype(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
 def test_non_floating_parameter_keeps_its_own_dtype(dtype: torch.dtype) -> None:
-    p = fsdptx.plan(_WithOwnDtype(dtype), fsdptx.shard_by_dtype, mp_policy=BF16)
+    transform = functools.partial(fsdptx.shard_by_dtype, blocks=["layers.0"])
+    p = fsdptx.plan(_WithOwnDtype(dtype), transform, mp_policy=BF16)
     (unit,) = [u for u in p.units if u.modules == ("layers.0",)]
     assert unit.compute_dtype in (None, dtype)
     assert unit.mp_policy is not None

@@ -377,6 +377,7 @@ def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, o
         )
     largest = None if mem.largest_unit is None else units[mem.largest_unit]
     return {
+        "warnings": list(p.warnings),
         "model": name,
         "mesh": dict(zip(names, shape)),
         "world_size": math.prod(shape),
@@ -512,7 +513,7 @@ _APPLIED = {
 
 def render(data: dict[str, Any], p: Plan) -> str:
     mesh = ", ".join(f"{k}={v}" for k, v in data["mesh"].items())
-    lines = [
+    lines = [f"warning: {w}" for w in data["warnings"]] + [
         f"fsdptx plan: {data['model']} on a fake mesh {mesh} ({data['world_size']} ranks)",
         _mesh_line(data),
         _APPLIED[data["applied"]],
@@ -632,6 +633,12 @@ def _parser() -> _Parser:
         help=f"fake mesh, e.g. dp=8, dp=2,tp=4, dp_replicate=2,dp_shard=4 (axes: {', '.join(KNOWN_DIMS)})",
     )
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with a tp axis)")
+    p.add_argument(
+        "--loss-parallel", action="store_true", help="keep the head's logits vocabulary-sharded (with a tp axis)"
+    )
+    p.add_argument(
+        "--blocks", metavar="NAMES", help="the model's blocks: class names or globs, comma-separated (default: declared or found by shape)"
+    )
     p.add_argument("--ac", choices=["full", "selective"], help="activation checkpointing of the blocks")
     p.add_argument(
         "--mp",
@@ -656,6 +663,8 @@ def run_plan(args: argparse.Namespace) -> str:
     model, name = build_model(args)
     config = FSDP2Config(
         sequence_parallel=args.sp,
+        loss_parallel=args.loss_parallel,
+        blocks=tuple(b.strip() for b in args.blocks.split(",") if b.strip()) if args.blocks else None,
         mp_policy=mp_policy(args.mp),
         activation_checkpointing=args.ac or False,
     )

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed._composable.contract import _get_registry
@@ -475,10 +476,13 @@ def apply_resolved(
     dense, moe = _fsdp_meshes(plan, mesh, moe_mesh)
 
     tp = plan.tensor_parallel
+    tp_group = tp_mesh(mesh) if isinstance(mesh, DeviceMesh) else None
     if tp is not None and tp.assignments:
         tied, _problems = tied_tp_groups(tp, model)  # the problems were refused above
-        parallelize_module(model, tp_mesh(mesh), tp_styles_by_module(tp))  # type: ignore[arg-type]
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        parallelize_module(model, tp_group, tp_styles_by_module(tp))
         _retie(model, tied)
+        _refreeze(model, frozen)
     if plan.checkpointing is not None:
         _turn_kv_cache_off(model)
         extra = {"context_fn": _selective_context} if plan.checkpointing.mode == "selective" else {}
@@ -510,4 +514,35 @@ def apply_resolved(
         mark_parameter_reductions(module, reductions)
     for module in excluded:
         exclude_from_tp_replica_sync(module)
+    if tp is not None and tp.sequence_parallel and tp.assignments and tp_group is not None:
+        _check_sequence_length(model, tp_group.size())
     return model
+
+
+def _refreeze(model: nn.Module, frozen: list[str]) -> None:
+    """Freeze again what was frozen before tensor parallelism: torch's
+    ``SequenceParallel`` re-registers a norm's parameters as new, trainable
+    ones, and a frozen norm would otherwise train."""
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+
+
+def _check_sequence_length(model: nn.Module, tp_size: int) -> None:
+    """Refuse, before the first collective of a forward (this hook runs
+    before FSDP's), a sequence that does not split evenly over the TP ranks:
+    DTensor would shard it unevenly and the ranks would disagree on every
+    shape after. The sequence is dim 1 of the first positional tensor, or
+    of ``input_ids`` / ``inputs_embeds``."""
+
+    def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        del module
+        found = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if found is None:
+            found = next((kwargs[k] for k in ("input_ids", "inputs_embeds") if isinstance(kwargs.get(k), torch.Tensor)), None)
+        if found is not None and found.dim() >= 2 and found.shape[1] % tp_size:
+            raise ValueError(
+                f"sequence parallelism: the input's sequence length {found.shape[1]} is not divisible by the "
+                f"tensor-parallel size {tp_size}; pad or cut the batch to a multiple of {tp_size} positions"
+            )
+
+    model.register_forward_pre_hook(check, prepend=True, with_kwargs=True)

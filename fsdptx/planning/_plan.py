@@ -25,6 +25,7 @@ __all__ = [
     "Prefetch",
     "REDUCTIONS",
     "Reduction",
+    "StreamStep",
     "TPAssignment",
     "TensorParallel",
     "Unit",
@@ -112,16 +113,35 @@ class TPAssignment:
 
 
 @dataclass(frozen=True)
+class StreamStep:
+    """One module on the residual stream, in forward order, as the
+    sequence-layout pass saw it: its role (``embedding``, ``block``,
+    ``norm``, ``region``, ``holder``, ``head``), the layout it receives and
+    hands on (``whole``, ``Shard(1)``, ``Shard(-1) vocab``; ``DTensor`` when
+    it is one), and the boundary the pass added there, if any."""
+
+    module: str
+    role: str
+    takes: str
+    gives: str
+    added: str | None = None
+
+
+@dataclass(frozen=True)
 class TensorParallel:
     """What :func:`fsdptx.tensor_parallel` asked for: one assignment per
     module, in FQN order. ``skipped`` lists declared entries that are not
     applied as a torch style (pattern, style, why): for example Hugging
     Face's ``replicated_with_grad_allreduce``, which becomes a TP-replica
-    reduction mark instead."""
+    reduction mark instead. ``stream`` is the residual stream's layout at
+    each module, in forward order; ``loss_parallel`` whether the head keeps
+    its logits vocabulary-sharded."""
 
     assignments: tuple[TPAssignment, ...]
     sequence_parallel: bool
     skipped: tuple[tuple[str, str, str], ...] = ()
+    loss_parallel: bool = False
+    stream: tuple[StreamStep, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -212,6 +232,9 @@ class Plan:
     reduce_unused_params: bool = False
     # Module FQN globs of expert modules, sharded over the MoE mesh.
     expert_modules: tuple[str, ...] = ()
+    # What a reader must know before trusting the plan (no blocks found,
+    # say); str(plan) prints these first and FSDP2Manager logs them.
+    warnings: tuple[str, ...] = ()
     # Read-only index of the model being planned, shared by the transforms of
     # one fsdptx.plan() call so the model is walked once; plan() drops it
     # before returning. Not part of the Plan's value.
@@ -347,8 +370,10 @@ def format_plan(plan: Plan) -> str:
         )
         rows.append(row + ("; ".join(u.reasons),) if why else row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = [f"warning: {w}" for w in plan.warnings]
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    table.insert(1, "  ".join("-" * w for w in widths))
+    lines.extend(table)
     total = sum(u.nbytes for u in plan.units)
     lines.append(f"{len(plan.units)} units, {_human_bytes(total)} of parameters")
     if any(u.mesh != "dp" for u in plan.units):
@@ -396,6 +421,25 @@ def _collapse(fqns: tuple[str, ...]) -> list[str]:
     return [summarize_modules(tuple(g)) if len(g) > 1 else g[0] or "<root>" for g in groups.values()]
 
 
+def _format_stream(steps: tuple[StreamStep, ...]) -> list[str]:
+    """The residual stream in forward order, one row per pattern (block
+    indices as ``*``): what each module receives and hands on, and what
+    the sequence-layout pass added there."""
+    if not steps:
+        return []
+    rows: dict[tuple[str, str, str, str, str], int] = {}
+    for s in steps:
+        key = (re.sub(r"(?<![^.])\d+(?![^.])", "*", s.module) or "<root>", s.role, s.takes, s.gives, s.added or "")
+        rows[key] = rows.get(key, 0) + 1
+    width = max(len(k[0]) for k in rows)
+    out = ["  stream (forward order): module  role  receives -> hands on  [added]"]
+    for (module, role, takes, gives, added), n in rows.items():
+        count = f" (x{n})" if n > 1 else ""
+        extra = f"  [{added}]" if added else ""
+        out.append(f"    {module.ljust(width)}  {role}: {takes} -> {gives}{count}{extra}")
+    return out
+
+
 def _format_requests(plan: Plan) -> list[str]:
     """The non-FSDP content of the Plan: TP styles, checkpointing, prefetch."""
     lines: list[str] = []
@@ -414,6 +458,9 @@ def _format_requests(plan: Plan) -> list[str]:
             lines.append(f"  {shown.ljust(width)}  {style}{count}")
         for pattern, style, why in tp.skipped:
             lines.append(f"  {pattern.ljust(width)}  {style}: not a torch style, {why}")
+        if tp.loss_parallel:
+            lines.append("  loss parallel: the head's logits stay vocabulary-sharded; compute the loss under fsdptx.loss_parallel()")
+        lines.extend(_format_stream(tp.stream))
     if plan.checkpointing is not None:
         ac = plan.checkpointing
         lines.append(f"activation checkpointing ({ac.mode}): " + ", ".join(_collapse(ac.modules)))

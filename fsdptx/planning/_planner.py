@@ -9,6 +9,7 @@ is visited a bounded number of times, so planning is linear in model size.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -19,11 +20,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from .._dtypes import LOW_PRECISION_FLOATS, resolve_compute_dtype, token_search
 from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind, preview
 from .._policy import get_internal_fsdp_mp_policy, keep_storage_policy, mp_policy_with_param_dtype
+from .._globs import WRAPPER_SEGMENTS, innermost, match_logical, unwrap
 from .._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
 from ._snapshot import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
 from ._unit_checks import is_container
 
-__all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_units"]
+__all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_blocks", "resolve_units"]
 
 DtypeKey = tuple[torch.dtype, torch.dtype]  # (storage, compute)
 
@@ -33,12 +35,8 @@ class PlanningError(ValueError):
 
 
 def unwrap_checkpoint(module: nn.Module) -> nn.Module:
-    """Look through activation-checkpoint wrappers (``_checkpoint_wrapped_module``)."""
-    inner = module._modules.get("_checkpoint_wrapped_module")
-    while inner is not None:
-        module = inner
-        inner = module._modules.get("_checkpoint_wrapped_module")
-    return module
+    """Look through activation-checkpoint and ``torch.compile`` wrappers."""
+    return unwrap(module)
 
 
 @dataclass
@@ -225,6 +223,17 @@ class ModelIndex:
     def names(self, p: nn.Parameter) -> list[str]:
         """Every FQN of ``p``, canonical first."""
         return [self.param_fqn[id(p)], *self.aliases.get(id(p), ())]
+
+    @functools.cached_property
+    def by_logical(self) -> dict[str, str]:
+        """Logical FQN (wrapper segments removed) -> the innermost module's
+        real FQN, in walk order (see :mod:`fsdptx._globs`)."""
+        return innermost(self.module_fqns)
+
+    def match(self, pattern: str) -> list[str]:
+        """Real FQNs of the modules a one-segment-per-``*`` glob matches,
+        wrappers seen through; the root never matches."""
+        return match_logical(pattern, self.by_logical)
 
     @functools.cached_property
     def blocks(self) -> tuple[str, ...]:
@@ -992,7 +1001,7 @@ def plan_dtype_units(r: _Resolver, request: DtypeRequest, *, replay_blocks: bool
             )
         for element, _m in _shardable(fqn, target):  # a ModuleList target means its elements
             is_root = element == "" and request.always_shard_root
-            if element and index.tied and _tied_outside(index, element):
+            if element and index.tied and _tied_outside(index, element, request.targets):
                 continue  # the enclosing unit owns the tie: see _tied_outside
             if replay is not None and not is_root:
                 replay.plan(element, request.reshard_after_forward)
@@ -1000,19 +1009,21 @@ def plan_dtype_units(r: _Resolver, request: DtypeRequest, *, replay_blocks: bool
                 _plan_target(r, element, request.reshard_after_forward, is_root)
 
 
-def _tied_outside(index: ModelIndex, fqn: str) -> bool:
-    """Whether module ``fqn`` holds a parameter also registered outside it.
+def _tied_outside(index: ModelIndex, fqn: str, targets: Sequence[str]) -> bool:
+    """Whether module ``fqn`` holds a parameter also registered in a module
+    that is in no target (not a block).
 
     Such a target gets no unit of its own: FSDP2 needs a tied parameter in
     one unit, and a unit of the target would own it while the module outside
     (BERT's ``cls.predictions.decoder``, tied to the embeddings that
     ``_no_split_modules`` lists) still uses it. The enclosing unit, the
-    root's when nothing smaller holds both, owns the target's parameters."""
+    root's when nothing smaller holds both, owns the target's parameters.
+    A tie between two blocks is left to the planner, which refuses it
+    naming both names (no common unit short of the root would hold it)."""
     top = index.walk.position[id(index.modules[fqn])]
-    inside = fqn + "."
+    blocks = tuple(t + "." for t in targets if t)
     for p in index.walk.params[index.slot_start[top] : index.slot_start[index.subtree_end[top]]]:
-        others = index.aliases.get(id(p))
-        if others is not None and any(not n.startswith(inside) for n in index.names(p)):
+        if id(p) in index.aliases and any(not n.startswith(blocks) for n in index.names(p)):
             return True
     return False
 
@@ -1166,30 +1177,73 @@ def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[
     """The model's repeated blocks, by the conventions models already declare.
 
     ``_no_split_modules`` class names (Hugging Face's marker for "keep this
-    module whole") win; a block wrapped for activation checkpointing is taken
-    with its wrapper. Otherwise the elements of the largest ``nn.ModuleList``.
-    Matches nested inside another match are not blocks of their own. Blocks
-    come in index order (``layers.2`` before ``layers.10``), not registration
-    order, so every rank lists them alike.
+    module whole") win; a block wrapped for activation checkpointing or by
+    ``torch.compile`` is taken with its wrapper. Otherwise the children of
+    the ``nn.ModuleList`` or ``nn.ModuleDict`` holding the most children of
+    one class (torchtitan keeps its blocks in a ``ModuleDict``), when that
+    is at least two. Matches nested inside another match are not blocks of
+    their own. Blocks come in index order (``layers.2`` before
+    ``layers.10``), not registration order, so every rank lists them alike.
+    An empty result means none was found: callers say so.
     """
     idx = index or ModelIndex.build(model)
     class_names = set(_declared_names(model, "_no_split_modules"))
-    found: list[str] = []
     if class_names:
-        for fqn, cls in zip(idx.module_fqns, idx.module_types):
-            if cls.__name__ not in class_names or not fqn:
-                continue
-            parent, _, leaf = fqn.rpartition(".")
-            if leaf == "_checkpoint_wrapped_module":
-                fqn = parent
-            if not any(fqn.startswith(f + ".") for f in found[-1:]):
-                found.append(fqn)
+        found = _blocks_of_classes(idx, class_names)
         if found:
-            return tuple(sorted(found, key=_natural))
-    best: tuple[str, nn.Module] | None = None
+            return found
+    best: tuple[int, str, nn.Module] | None = None
     for fqn, cls, module in zip(idx.module_fqns, idx.module_types, idx.walk.modules):
-        if cls is nn.ModuleList and (best is None or len(module._modules) > len(best[1]._modules)):
-            best = (fqn, module)
+        if not issubclass(cls, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        classes = Counter(type(unwrap(c)) for c in module._modules.values() if c is not None)
+        score = max(classes.values(), default=0)
+        if score >= 2 and (best is None or score > best[0]):
+            best = (score, fqn, module)
     if best is None:
         return ()
-    return tuple(join_fqn(best[0], n) for n, c in best[1]._modules.items() if c is not None)
+    return tuple(join_fqn(best[1], n) for n, c in best[2]._modules.items() if c is not None)
+
+
+def _outermost(fqn: str) -> str:
+    """The FQN of the outermost wrapper around ``fqn``'s module."""
+    while fqn.rpartition(".")[2] in WRAPPER_SEGMENTS:
+        fqn = fqn.rpartition(".")[0]
+    return fqn
+
+
+def _blocks_of_classes(idx: ModelIndex, class_names: Collection[str]) -> tuple[str, ...]:
+    """Modules whose class is one of ``class_names`` (wrappers seen
+    through), outermost first, in index order."""
+    found: list[str] = []
+    for fqn, cls in zip(idx.module_fqns, idx.module_types):
+        if cls.__name__ not in class_names or not fqn:
+            continue
+        fqn = _outermost(fqn)
+        if fqn and not any(fqn == f or fqn.startswith(f + ".") for f in found[-1:]):
+            found.append(fqn)
+    return tuple(sorted(found, key=_natural))
+
+
+def resolve_blocks(spec: Sequence[str], index: ModelIndex, where: str) -> tuple[str, ...]:
+    """Blocks named by ``spec``: each entry an exact module FQN, a class
+    name (``"LlamaDecoderLayer"``), or a glob with one segment per ``*``
+    (``"layers.*"``), wrappers seen through. An entry matching nothing is an
+    error naming it; the result keeps the entries' order, each entry's
+    matches in index order."""
+    out: list[str] = []
+    classes = {t.__name__ for t in set(index.module_types)}
+    for entry in spec:
+        if entry in index.modules:
+            matched: tuple[str, ...] = (entry,)
+        elif "." not in entry and "*" not in entry and entry in classes:
+            matched = _blocks_of_classes(index, (entry,))
+        else:
+            matched = tuple(sorted({_outermost(f) for f in index.match(entry)}, key=_natural))
+        if not matched:
+            raise PlanningError(
+                f"{where}: blocks entry {entry!r} matches no module of {type(index.root).__name__} "
+                "(give module FQNs, a block class name, or globs such as 'layers.*')"
+            )
+        out.extend(m for m in matched if m not in out)
+    return tuple(out)

@@ -50,8 +50,8 @@ def checkpoint_activations(
     targets = block_fqns(blocks, model_index(model, plan), "checkpoint_activations")
     if not targets:
         raise PlanningError(
-            f"checkpoint_activations: found no blocks in {type(model).__name__}; declare "
-            "_no_split_modules or pass blocks="
+            f"checkpoint_activations: found no blocks in {type(model).__name__} to checkpoint; name them "
+            "with FSDP2Config(blocks=...) or checkpoint_activations(blocks=...), or declare _no_split_modules"
         )
     return plan.replace(checkpointing=Checkpointing(mode=mode, modules=targets))
 

@@ -21,7 +21,7 @@ from .._args import require_module
 from .._policy import check_policy_dtypes
 from ..hf import hf_fp32_compute_tokens, hf_replica_reductions
 from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, marks_under_exclusions, preview
-from ._planner import ModelIndex, PlanningError, _natural, resolve_units
+from ._planner import ModelIndex, PlanningError, _natural, resolve_blocks, resolve_units
 from ._snapshot import vouch, vouch_marks
 
 __all__ = [
@@ -185,11 +185,13 @@ def check_reshard(value: object, where: str) -> bool | int | None:
 
 
 def block_fqns(blocks: Sequence[str] | None, index: ModelIndex, where: str) -> tuple[str, ...]:
-    """The target blocks: given, or discovered; never nested in one another
-    (a block inside another would be silently absorbed by it)."""
+    """The target blocks: given (module FQNs, class names or globs: see
+    :func:`~fsdptx.planning._planner.resolve_blocks`), or discovered; never
+    nested in one another (a block inside another would be silently
+    absorbed by it)."""
     if blocks is None:
         return index.blocks
-    targets = _tuple_of_str(blocks, "blocks")
+    targets = resolve_blocks(_tuple_of_str(blocks, "blocks"), index, where)
     ordered = sorted(targets)
     for outer, inner in zip(ordered, ordered[1:]):
         if inner == outer or inner.startswith(outer + ".") or outer == "":
@@ -276,7 +278,15 @@ def _request_dtype(
         ),
     )
     exclusions = plan.exclusions + tuple(e for e in experts if e not in plan.exclusions)
-    return plan.replace(dtype_request=request, expert_modules=experts, exclusions=exclusions)
+    warnings = plan.warnings
+    if not targets:
+        found_none = (
+            f"found no blocks in {type(model).__name__} (no _no_split_modules, no nn.ModuleList or "
+            "nn.ModuleDict of same-class children): the whole model is ONE FSDP unit (the root); name "
+            "the blocks with FSDP2Config(blocks=...) or shard_by_dtype(blocks=...)"
+        )
+        warnings = warnings + (found_none,) if found_none not in warnings else warnings
+    return plan.replace(dtype_request=request, expert_modules=experts, exclusions=exclusions, warnings=warnings)
 
 
 def _refuse_presharded(index: ModelIndex, where: str) -> None:
@@ -304,8 +314,6 @@ def _experts(model: nn.Module, index: ModelIndex, globs: Collection[str] | None)
     model's ``_fsdptx_expert_modules``; planned before their blocks, so each
     is a unit of its own on the MoE mesh, and kept out of TP-replica sync
     (expert shards differ between ranks by design)."""
-    from ..tp._transform import segment_match  # local: fsdptx.tp imports this module
-
     patterns = (
         _tuple_of_str(globs, "expert_modules")
         if globs is not None
@@ -313,7 +321,7 @@ def _experts(model: nn.Module, index: ModelIndex, globs: Collection[str] | None)
     )
     found: list[str] = []
     for g in patterns:
-        matched = [f for f in index.modules if f and segment_match(g, f)]
+        matched = index.match(g)
         if not matched:
             raise PlanningError(f"shard_by_dtype: expert module glob {g!r} matches no module of the model")
         found.extend(f for f in matched if f not in found)
