@@ -214,15 +214,20 @@ class _Stream:
         if not chosen:
             return cls((), None, (), (), head)
         container = max(chosen, key=lambda s: len(stacks[s]))
-        backbone = container.rpartition(".")[0] if container else ""
+        stack = tuple(stacks[container])
+        # The backbone holds the stack beside the modules before and after it;
+        # blocks registered on the root directly are their own stack.
+        backbone, _, leaf = container.rpartition(".") if container else ("", "", "")
         owner = index.modules.get(backbone, model)
-        names = [n for n, c in owner._modules.items() if c is not None]
-        at = names.index(container.rpartition(".")[2]) if container.rpartition(".")[2] in names else len(names)
-        full = [f"{backbone}.{n}" if backbone else n for n in names]
-        pre = tuple(f for f in full[:at] if _holds_params(index, f))
-        post = tuple(f for f in full[at + 1 :] if f != head and _holds_params(index, f))
-        embedding = input_embedding(model, index, pre)
-        return cls(pre, embedding, tuple(stacks[container]), post, head)
+        full = [f"{backbone}.{n}" if backbone else n for n, c in owner._modules.items() if c is not None]
+        if container:
+            first = last = full.index(container) if container in full else len(full)
+        else:
+            at = [i for i, f in enumerate(full) if f in stack]
+            first, last = (min(at), max(at)) if at else (len(full), len(full))
+        pre = tuple(f for f in full[:first] if _holds_params(index, f))
+        post = tuple(f for f in full[last + 1 :] if f != head and _holds_params(index, f))
+        return cls(pre, input_embedding(model, index, pre), stack, post, head)
 
 
 def _inside(fqn: str, module: str) -> bool:
@@ -259,8 +264,8 @@ def _walk(p: _Pass, s: _Stream) -> None:
             cur = _embedding(p, fqn, cur)
         elif p.sp and cur.seq == "shard":
             cur = _on_stream(p, fqn, cur)
-        else:
-            _outside_stream_projection_check(p, fqn)
+        elif not p.sp:
+            _plain_module(p, fqn, cur)
     for i, block in enumerate(s.blocks):
         cur = _block(p, block, cur, first=i == 0)
     for fqn in s.post:
@@ -471,13 +476,6 @@ def _plain_module(p: _Pass, fqn: str, cur: _Lay) -> _Lay:
     if style is not None:
         p.check_takes(fqn, style, cur)
     return cur
-
-
-def _outside_stream_projection_check(p: _Pass, fqn: str) -> None:
-    """A backbone module before the stack beside a whole-sequence
-    embedding: plain layouts, nothing to add."""
-    if not p.sp:
-        _plain_module(p, fqn, _Lay("whole", False, ""))
 
 
 def _head(p: _Pass, head: str | None, cur: _Lay) -> None:
