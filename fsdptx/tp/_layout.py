@@ -544,35 +544,32 @@ def output_head(model: nn.Module, index: ModelIndex) -> str | None:
     return None if head is None else index.fqn_of_module.get(id(head))
 
 
+def _declared_module(model: nn.Module, getter: str) -> nn.Module | None:
+    """What a Hugging Face model's ``get_output_embeddings`` /
+    ``get_input_embeddings`` returns; ``None`` where it has no such method or
+    its method declines."""
+    fn = getattr(model, getter, None)
+    if not callable(fn):
+        return None
+    try:
+        found = fn()
+    except (NotImplementedError, AttributeError):
+        return None
+    return found if isinstance(found, nn.Module) else None
+
+
 def output_head_module(model: nn.Module, modules: Mapping[str, nn.Module]) -> nn.Module | None:
     """The output head: what a Hugging Face model's ``get_output_embeddings``
     returns, else a root ``lm_head`` or ``output`` Linear (torchtitan's name)."""
-    fn = getattr(model, "get_output_embeddings", None)
-    if callable(fn):
-        try:
-            found = fn()
-        except (NotImplementedError, AttributeError):
-            found = None
-        if isinstance(found, nn.Module):
-            return found
-    for name in ("lm_head", "output"):
-        m = modules.get(name)
-        if isinstance(m, nn.Linear):
-            return m
-    return None
+    found = _declared_module(model, "get_output_embeddings")
+    if found is not None:
+        return found
+    return next((m for name in ("lm_head", "output") if isinstance(m := modules.get(name), nn.Linear)), None)
 
 
 def input_embedding(model: nn.Module, index: ModelIndex, pre: tuple[str, ...]) -> str | None:
     """The module the sequence enters through: ``get_input_embeddings()``
     where the model has it, else the first ``nn.Embedding`` before the stack."""
-    fn = getattr(model, "get_input_embeddings", None)
-    if callable(fn):
-        try:
-            found = fn()
-        except (NotImplementedError, AttributeError):
-            found = None
-        if isinstance(found, nn.Module):
-            fqn = index.fqn_of_module.get(id(found))
-            if fqn is not None:
-                return fqn
-    return next((f for f in pre if isinstance(index.modules[f], nn.Embedding)), None)
+    found = _declared_module(model, "get_input_embeddings")
+    fqn = index.fqn_of_module.get(id(found)) if found is not None else None
+    return fqn if fqn is not None else next((f for f in pre if isinstance(index.modules[f], nn.Embedding)), None)
