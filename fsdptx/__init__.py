@@ -24,6 +24,8 @@ with warnings.catch_warnings():
 from .planning._apply import PlanMismatchError, apply_plan, check_plan
 from ._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
 from ._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn
+from .planning._diff import PlanDiff, diff_plans
+from .planning._json import plan_from_json, plan_to_json
 from .planning._imperative import (
     ParameterSet,
     configure_fsdp_unused_param_reduction,
@@ -76,6 +78,7 @@ __all__ = [
     "tensor_parallel",
     "ParameterSet",
     "Plan",
+    "PlanDiff",
     "PlanMismatchError",
     "PlanningError",
     "Reduction",
@@ -85,6 +88,7 @@ __all__ = [
     "broadcast_tp_replicas",
     "check_plan",
     "compose",
+    "diff_plans",
     "configure_fsdp_unused_param_reduction",
     "exclude_from_tp_replica_sync",
     "fully_shard_across_blocks",
@@ -103,6 +107,8 @@ __all__ = [
     "mark_tp_replica_gradient_reduction",
     "mp_policy_with_param_dtype",
     "plan",
+    "plan_from_json",
+    "plan_to_json",
     "reject_unsupported_mtp_cp",
     "reject_unsupported_mtp_cp_pp",
     "shard_across_blocks",
