@@ -34,6 +34,7 @@ from .planning._imperative import (
     reject_unsupported_mtp_cp,
     reject_unsupported_mtp_cp_pp,
 )
+from .tp._audit import Drift, ReplicaAudit, audit_replicas, audit_replicas_every
 from .tp._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduction
 from .planning._plan import Checkpointing, Plan, Prefetch, Reduction, TensorParallel, TPAssignment, Unit
 from .planning._planner import PlanningError
@@ -64,6 +65,7 @@ from ._tree import (
 __all__ = [
     "Checkpointing",
     "DEFAULT_MAX_BUFFER_BYTES",
+    "Drift",
     "FSDP2Config",
     "FSDP2Manager",
     "Prefetch",
@@ -82,9 +84,12 @@ __all__ = [
     "PlanMismatchError",
     "PlanningError",
     "Reduction",
+    "ReplicaAudit",
     "Transform",
     "Unit",
     "apply_plan",
+    "audit_replicas",
+    "audit_replicas_every",
     "broadcast_tp_replicas",
     "check_plan",
     "compose",

@@ -61,10 +61,10 @@ def collapse(items: Iterable[tuple[str, str]]) -> list[str]:
         numbers = [int(n) for n in _INDEX.findall(fqn)]
         groups.setdefault((_INDEX.sub("#", fqn), text), []).append(numbers)
     lines = []
-    for (pattern, text), numbers in groups.items():
+    for (pattern, text), members in groups.items():
         shown = pattern
         for position in range(pattern.split(".").count("#")):
-            shown = shown.replace("#", _indices([n[position] for n in numbers]), 1)
+            shown = shown.replace("#", _indices([m[position] for m in members]), 1)
         lines.append(f"{shown or '<root>'}: {text}" if text else shown or "<root>")
     return lines
 
