@@ -96,39 +96,50 @@ def _per_key(a: Mapping[str, Any], b: Mapping[str, Any], label: str = "") -> lis
     return out
 
 
-def _unit_label(index: int, unit: Unit) -> str:
-    return f"unit {index} ({summarize_modules(unit.modules)})"
+def _relative(module: str, params: list[str]) -> str:
+    """Parameter names as a diff shows them under their unit: relative to
+    the unit's module when they all lie under it (so that the same change
+    in every block reads the same and collapses), else in full."""
+    prefix = module + "." if module else ""
+    if len(params) and all(p.startswith(prefix) for p in params):
+        params = [p[len(prefix):] for p in params]
+    return ", ".join(collapse((p, "") for p in params))
 
 
 def _units(a: tuple[Unit, ...], b: tuple[Unit, ...]) -> list[str]:
     """Units are matched by their modules: a unit of the same modules that
-    gains or loses parameters or settings is the same unit changed."""
-    lines: list[str] = []
-    old = {u.modules: (i, u) for i, u in enumerate(a)}
-    new = {u.modules: (i, u) for i, u in enumerate(b)}
-    for modules, (i, u) in old.items():
+    gains or loses parameters or settings is the same unit changed. Each
+    line is named by the unit's module, so the same change in every block
+    collapses into one line."""
+    items: list[tuple[str, str]] = []
+    old = {u.modules: u for u in a}
+    new = {u.modules: u for u in b}
+    for modules, gone in old.items():
         if modules not in new:
-            lines.append(f"{_unit_label(i, u)} removed")
-    for modules, (j, v) in new.items():
-        if modules not in old:
-            lines.append(f"new {_unit_label(j, v)}: {len(v.params)} params")
+            items.append((summarize_modules(modules), f"{gone.kind} unit removed"))
+    for modules, v in new.items():
+        name = summarize_modules(modules)
+        u = old.get(modules)
+        if u is None:
+            items.append((name, f"new {v.kind} unit of {len(v.params)} params"))
             continue
-        i, u = old[modules]
-        label = f"unit {j}" + (f" (was {i})" if i != j else "")
         gained = [p for p in v.params if p not in set(u.params)]
         lost = [p for p in u.params if p not in set(v.params)]
         if gained:
-            lines.append(f"{label} gains " + ", ".join(collapse((p, "") for p in gained)))
+            items.append((name, "unit gains " + _relative(modules[0], gained)))
         if lost:
-            lines.append(f"{label} loses " + ", ".join(collapse((p, "") for p in lost)))
+            items.append((name, "unit loses " + _relative(modules[0], lost)))
         for f in dataclasses.fields(Unit):
-            if f.name in ("modules", "params") or not f.compare:
+            # numel and nbytes follow from the parameters when those changed
+            if f.name in ("modules", "params") or not f.compare or (f.name in ("numel", "nbytes") and (gained or lost)):
                 continue
             x, y = getattr(u, f.name), getattr(v, f.name)
             if x != y:
-                lines.append(f"{label} ({summarize_modules(modules)}) {f.name}: {_changed(x, y)}")
-    if not lines and a != b:
-        lines.append("unit order: " + ", ".join(summarize_modules(u.modules) for u in b))
+                items.append((name, f"unit {f.name} {_changed(x, y)}"))
+    lines = collapse(items)
+    kept = [m for m in new if m in old]
+    if [m for m in old if m in new] != kept:
+        lines.append("unit order changes: " + ", ".join(summarize_modules(m) for m in kept))
     return lines
 
 
@@ -155,8 +166,8 @@ def _tensor_parallel(a: Plan, b: Plan) -> list[str]:
             lines.append(f"tensor parallelism: {'requested' if x is None else 'dropped'}")
         return lines
     for f in dataclasses.fields(x):
-        if f.name != "assignments" and f.compare and getattr(x, f.name) != getattr(y, f.name):
-            lines.append(f"tensor_parallel.{f.name}: {_changed(getattr(x, f.name), getattr(y, f.name))}")
+        if f.name != "assignments" and f.compare:
+            lines += _field_lines(f"tensor_parallel.{f.name}", getattr(x, f.name), getattr(y, f.name))
     return lines
 
 
@@ -179,6 +190,20 @@ def _membership(name: str, a: tuple[str, ...], b: tuple[str, ...]) -> list[str]:
     if removed:
         lines.append(f"{name} loses " + ", ".join(collapse((m, "") for m in removed)))
     return lines
+
+
+def _field_lines(name: str, x: Any, y: Any) -> list[str]:
+    """``name: old -> new``; for two records of one kind, one line per
+    field that differs (``dtype_request.reshard_after_forward: ...``)."""
+    if x == y:
+        return []
+    if type(x) is type(y) and dataclasses.is_dataclass(x):
+        out: list[str] = []
+        for f in dataclasses.fields(x):
+            if f.compare:
+                out += _field_lines(f"{name}.{f.name}", getattr(x, f.name), getattr(y, f.name))
+        return out
+    return [f"{name}: {_changed(x, y)}"]
 
 
 # Plan fields with their own readable rendering; every other field that
@@ -229,9 +254,7 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     for f in dataclasses.fields(Plan):
         if f.name in _SPECIAL or not f.compare:
             continue
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if x != y:
-            lines.append(f"{f.name}: {_changed(x, y)}")
+        lines += _field_lines(f.name, getattr(a, f.name), getattr(b, f.name))
     if not lines:  # the same entries, listed in another order
         lines.append("the same entries in another order (units, TP assignments or prefetch chains)")
     return PlanDiff(tuple(lines))

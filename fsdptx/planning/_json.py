@@ -261,8 +261,9 @@ def _rebuild_style(data: Mapping[str, Any]) -> ParallelStyle:
         "PrepareModuleInput": lambda: PrepareModuleInput(
             input_layouts=attrs["input_layouts"],
             desired_input_layouts=attrs["desired_input_layouts"],
-            input_kwarg_layouts=dict(attrs["input_kwarg_layouts"]),
-            desired_input_kwarg_layouts=dict(attrs["desired_input_kwarg_layouts"]),
+            # torch records "were kwarg layouts given" as with_kwargs
+            input_kwarg_layouts=dict(attrs["input_kwarg_layouts"]) if attrs["with_kwargs"] else None,
+            desired_input_kwarg_layouts=dict(attrs["desired_input_kwarg_layouts"]) if attrs["with_kwargs"] else None,
             use_local_output=attrs["use_local_output"],
         ),
         "PrepareModuleOutput": lambda: PrepareModuleOutput(
