@@ -266,16 +266,40 @@ def _checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return torch.nan_to_num(torch.cat([sums.to(device), norms.to(device)]), nan=math.inf)
 
 
-def _max_abs_diff(t: torch.Tensor, g: _Group, atol: float, rtol: float) -> float | None:
-    """The largest spread of one element over the group, or ``None`` when
-    every element is within ``atol + rtol * |value|``."""
-    values = torch.nan_to_num(t.reshape(-1).double(), nan=math.inf)
-    high, low = _max_and_min(values, g.group)
-    spread = torch.where(high == low, torch.zeros_like(high), high - low)  # equal infinities: no spread
-    bound = atol + rtol * torch.maximum(high.abs(), low.abs())
-    if not bool((spread > bound).any()):
-        return None
-    return float(spread.max())
+# Elements of suspects compared per collective: each travels as two fp64
+# values (itself and its negation), so a chunk's buffer is at most 64 MiB.
+_SUSPECT_CHUNK_NUMEL = 2**22
+
+
+def _suspect_chunks(sizes: list[int]) -> list[list[int]]:
+    """Indices of suspects in chunks of at most :data:`_SUSPECT_CHUNK_NUMEL`
+    elements, in order; a larger suspect is a chunk of its own."""
+    chunks: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if not chunks or total + n > _SUSPECT_CHUNK_NUMEL:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(i)
+        total += n
+    return chunks
+
+
+def _compare_suspects(
+    tensors: list[torch.Tensor], g: _Group, atol: float, rtol: float, device: torch.device
+) -> list[float | None]:
+    """Per suspect, the largest spread of one element over the group, or
+    ``None`` when every element is within ``atol + rtol * |value|``. One
+    MAX all-reduce per chunk of suspects."""
+    out: list[float | None] = []
+    for chunk in _suspect_chunks([t.numel() for t in tensors]):
+        flat = torch.cat([tensors[i].reshape(-1).to(device, torch.float64) for i in chunk])
+        high, low = _max_and_min(torch.nan_to_num(flat, nan=math.inf), g.group)
+        spread = torch.where(high == low, torch.zeros_like(high), high - low)  # equal infinities: no spread
+        over = spread > atol + rtol * torch.maximum(high.abs(), low.abs())
+        for part, bad in zip(spread.split([tensors[i].numel() for i in chunk]), over.split([tensors[i].numel() for i in chunk])):
+            out.append(float(part.max()) if bool(bad.any()) else None)
+    return out
 
 
 def audit_replicas(
@@ -299,10 +323,14 @@ def audit_replicas(
 
     Per group: one agreement (MAX of count and layout digest), one MAX
     all-reduce of two fp64 checksums per tensor, then for suspects only an
-    elementwise MAX all-reduce; across the mesh, a flag per stage and,
-    only when something drifted, an all-gather of the findings, so the
-    result is the same on every rank. Call it on every rank of the mesh at
-    the same point (e.g. after ``optimizer.step()``).
+    elementwise MAX all-reduce (per chunk of at most 2**22 elements).
+    Across the mesh, unless one audited dim spans it (then the group's
+    results already are the mesh's): a flag per stage and, only when
+    something drifted, an all-gather of the findings, so the result is the
+    same on every rank. A clean audit of a TP-only mesh is 2 collectives.
+    Call it on every rank of the mesh at the same point (e.g. after
+    ``optimizer.step()``). No mesh dim to audit (all of size 1, or none
+    named ``tp``/data-parallel): a clean audit, no collective.
 
     Args:
         model_parts: the model, or every pipeline stage this rank holds.
@@ -335,17 +363,28 @@ def audit_replicas(
     groups = _groups(parts, mesh, buffers, tp_axis_name)
     device = _device(mesh.device_type)
 
+    # When the mesh has one dim of size > 1 and it is audited, that group
+    # is the whole mesh: what its collectives return is already the same
+    # on every rank, and the mesh-wide flag and gather are skipped.
+    if not groups:
+        return ReplicaAudit((), ())
+    spanning = [n for n, size in zip(mesh.mesh_dim_names or (), mesh.shape) if size > 1]
+    group_is_mesh = len(groups) == 1 and spanning == [groups[0].dim]
+
     # 1. Each group agrees on its layout; the mesh learns where it did not.
     disagree = []
     for g in groups:
         fields = torch.tensor([len(g.fqns), g.digest], dtype=torch.int64, device=device)
         high, low = _max_and_min(fields, g.group)
         disagree.append(int(not torch.equal(high, low)))
-    names = [g.dim for g in groups]
-    flags = _mesh_max(torch.tensor(disagree + [0], dtype=torch.int64, device=device), mesh)
-    if bool(flags[:-1].any()):
-        details = [f"along {g.dim} among ranks {list(g.ranks)}:\n  {_disagreement(g)}" for g, d in zip(groups, disagree) if d]
-        where = [n for n, f in zip(names, flags.tolist()) if f]
+    flags = torch.tensor(disagree, dtype=torch.int64, device=device)
+    if not group_is_mesh:
+        flags = _mesh_max(flags, mesh)
+    if bool(flags.any()):
+        details = [
+            f"along {g.dim} among ranks {list(g.ranks)}:\n  {_disagreement(g)}" for g, d in zip(groups, disagree) if d
+        ]
+        where = [g.dim for g, f in zip(groups, flags.tolist()) if f]
         raise RuntimeError(
             f"audit_replicas: peers disagree on which tensors to compare along {where} (set, order, dtypes, "
             "local shapes or placements); every rank must pass the same model parts, parallelized the same "
@@ -361,16 +400,16 @@ def audit_replicas(
         if not g.tensors:  # the peers agreed there is nothing: no collective
             continue
         high, low = _max_and_min(_checksums(g.tensors, device), g.group)
-        differs = (high != low).view(2, len(g.tensors)).any(0)
-        for i in differs.nonzero().flatten().tolist():
-            diff = _max_abs_diff(g.tensors[i].to(device), g, atol, rtol)
-            if diff is not None:
-                records.append(Drift(g.fqns[i], g.dim, g.ranks, diff))
+        suspects = (high != low).view(2, len(g.tensors)).any(0).nonzero().flatten().tolist()
+        if suspects:
+            diffs = _compare_suspects([g.tensors[i] for i in suspects], g, atol, rtol, device)
+            records += [Drift(g.fqns[i], g.dim, g.ranks, d) for i, d in zip(suspects, diffs) if d is not None]
 
     # 3. Findings shared across the mesh, so every rank returns the same.
-    found = _mesh_max(torch.tensor([int(bool(records))], dtype=torch.int64, device=device), mesh)
-    if bool(found.item()):
-        records = _mesh_gather(records, mesh)
+    if not group_is_mesh:
+        found = _mesh_max(torch.tensor([int(bool(records))], dtype=torch.int64, device=device), mesh)
+        if bool(found.item()):
+            records = _mesh_gather(records, mesh)
     order = {n: i for i, n in enumerate(mesh.mesh_dim_names or ())}
     records.sort(key=lambda d: (order[d.mesh_dim], d.fqn, d.ranks))
     return ReplicaAudit(tuple(records), tuple(checked))
