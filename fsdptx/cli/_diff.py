@@ -39,8 +39,8 @@ def load_plan_file(path: str) -> Plan:
         raise PlanFileError(f"cannot read {path}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         raise PlanFileError(f"{path} is not JSON: {e}") from None
-    if isinstance(data, dict) and "model" in data and isinstance(data.get("plan"), dict):
-        data = data["plan"]  # a `plan --json` report embeds the plan document
+    if isinstance(data, dict) and "schema" not in data and isinstance(data.get("plan"), dict):
+        data = data["plan"]  # a `plan --json` report embeds the plan document under "plan"
     try:
         return plan_from_document(data)
     except ValueError as e:
