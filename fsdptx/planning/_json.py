@@ -18,6 +18,7 @@ key; every other JSON object is a mapping, every JSON list a tuple.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import sys
 from collections.abc import Callable, Mapping
@@ -125,24 +126,30 @@ def _encode_placement(p: Placement) -> dict[str, Any]:
     raise TypeError(f"plan_to_json: cannot encode the placement {p!r}; only Shard, Replicate and Partial are known")
 
 
-def _standard_styles() -> dict[str, type[ParallelStyle]]:
-    """Style classes rebuilt from their description, by qualified name."""
-    from ..tp._styles import GatherSequence, ShardSequence  # the tp layer sits above planning
-
-    classes: list[type[ParallelStyle]] = [
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        GatherSequence,
-        ShardSequence,
-    ]
-    return {_qualified(c): c for c in classes}
-
-
 def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_TORCH_STYLES: dict[str, type[ParallelStyle]] = {
+    _qualified(c): c
+    for c in (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput)
+}
+
+
+def _style_class(qualname: str) -> type[ParallelStyle] | None:
+    """The class a description names, when fsdptx can rebuild it: torch's
+    standard styles, or a ParallelStyle defined in fsdptx itself (imported
+    by name; nothing outside the package is imported from a file)."""
+    if qualname in _TORCH_STYLES:
+        return _TORCH_STYLES[qualname]
+    module_name, _, name = qualname.rpartition(".")
+    if not module_name.startswith("fsdptx."):
+        return None
+    try:
+        found = getattr(importlib.import_module(module_name), name, None)
+    except ImportError:
+        return None
+    return found if isinstance(found, type) and issubclass(found, ParallelStyle) else None
 
 
 def _describe_style(style: ParallelStyle) -> dict[str, Any]:
@@ -183,7 +190,7 @@ def _encode_dataclass(value: Any, where: str) -> dict[str, Any]:
         item = getattr(value, f.name)
         if not f.compare and not isinstance(item, ParallelStyle):
             continue
-        if f.name in (_TYPE, "schema"):
+        if f.name == _TYPE:
             raise TypeError(f"plan_to_json: field name {f.name!r} of {type(value).__name__} is reserved")
         out[f.name] = _encode(item, f"{where}.{f.name}")
     return out
@@ -240,7 +247,7 @@ def _rebuild_style(data: Mapping[str, Any]) -> ParallelStyle:
     when its class is not one fsdptx can rebuild, or the rebuilt object
     would not describe itself the same way."""
     description = {k: v for k, v in data.items() if k != _TYPE}
-    cls = _standard_styles().get(str(description.get("qualname")))
+    cls = _style_class(str(description.get("qualname")))
     if cls is None:
         return DescribedStyle(description)
     attrs = {k: _decode(v, f"style.{k}") for k, v in description.get("attributes", {}).items()}
@@ -272,7 +279,7 @@ def _rebuild_style(data: Mapping[str, Any]) -> ParallelStyle:
             use_local_output=attrs["use_local_output"],
         ),
     }
-    build = builders.get(cls.__name__, cls)
+    build = builders.get(cls.__name__, cls) if cls in _TORCH_STYLES.values() else cls  # fsdptx's own: no arguments
     try:
         style = build()
     except (KeyError, TypeError, ValueError, AttributeError):
