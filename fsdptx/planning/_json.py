@@ -190,8 +190,6 @@ def _encode_dataclass(value: Any, where: str) -> dict[str, Any]:
         item = getattr(value, f.name)
         if not f.compare and not isinstance(item, ParallelStyle):
             continue
-        if f.name == _TYPE:
-            raise TypeError(f"plan_to_json: field name {f.name!r} of {type(value).__name__} is reserved")
         out[f.name] = _encode(item, f"{where}.{f.name}")
     return out
 

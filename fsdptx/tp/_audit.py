@@ -32,12 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from .._meshes import KNOWN_DIMS
-from .._tree import rank_stable_unique
-from ._replicas import _describe_tensor, _device, _digest, _local, _replicated_on_mesh, _walk
+from .._tree import iter_unique_named_buffers, iter_unique_named_parameters
+from ._replicas import _describe_tensor, _device, _digest, _local, _TPContext, _walk
 
 __all__ = ["DP_DIMS", "Drift", "ReplicaAudit", "audit_replicas", "audit_replicas_every", "format_drift"]
 
@@ -154,16 +153,12 @@ class _Group:
 def _all_tensors(parts: list[nn.Module], buffers: bool) -> list[tuple[str, torch.Tensor]]:
     """Every distinct parameter (and buffer), rank-stable, no exclusions:
     what data-parallel replicas must hold alike."""
-    entries: list[tuple[int, str, torch.Tensor]] = []
-    for index, part in enumerate(parts):
-        entries.extend((index, f, p) for f, p in part.named_parameters(remove_duplicate=False))
-        if buffers:
-            entries.extend((index, f, b) for f, b in part.named_buffers(remove_duplicate=False))
-    return [(f, t) for _i, f, t in rank_stable_unique(entries)]  # type: ignore[arg-type]
+    found: list[tuple[str, torch.Tensor]] = list(iter_unique_named_parameters(parts))
+    return found + list(iter_unique_named_buffers(parts)) if buffers else found
 
 
 def _groups(
-    parts: list[nn.Module], mesh: DeviceMesh, buffers: bool, tp_axis_name: str
+    parts: list[nn.Module], mesh: DeviceMesh, buffers: bool, tp_axis_name: str, device: torch.device
 ) -> list[_Group]:
     """One group per audited mesh dim of size > 1 (in mesh order): the TP
     dim compares exactly what the TP-replica sync keeps in step (its walk,
@@ -184,16 +179,8 @@ def _groups(
         else:
             everything = everything if everything is not None else _all_tensors(parts, buffers)
             candidates = everything
-        cache: dict[tuple[int, tuple[object, ...]], bool] = {}
-
-        def replicated(t: torch.Tensor) -> bool:
-            if not isinstance(t, DTensor):
-                return True
-            key = (id(t.device_mesh), tuple(t.placements))
-            if key not in cache:
-                cache[key] = _replicated_on_mesh(t.device_mesh, key[1], ranks, rank)
-            return cache[key]
-
+        # The sync's replication test, with this dim's peers in the TP role.
+        replicated = _TPContext(group, group.group_name, ranks, rank, device).replicated()
         kept = [(f, t) for f, t in candidates if replicated(t)]
         text = "\n".join(f"{f} {_describe_tensor(t)}" for f, t in kept)
         groups.append(
@@ -360,8 +347,8 @@ def audit_replicas(
             print(audit)   # fqn, dim, ranks, max abs diff
     """
     parts, mesh, atol, rtol = _check_arguments(model_parts, device_mesh, atol, rtol, buffers, tp_axis_name)
-    groups = _groups(parts, mesh, buffers, tp_axis_name)
     device = _device(mesh.device_type)
+    groups = _groups(parts, mesh, buffers, tp_axis_name, device)
 
     # When the mesh has one dim of size > 1 and it is audited, that group
     # is the whole mesh: what its collectives return is already the same
