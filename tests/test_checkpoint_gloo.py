@@ -144,6 +144,8 @@ def test_a_checkpoint_saved_on_dp2_tp2_sp_loads_on_dp4_with_equal_values(runs: l
             assert torch.equal(r["loaded_dp4"][name], value), f"rank {rank} {name}"
 
 
+# torch warns that it assumes a single-process load even when no_dist=True says so
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 def test_a_checkpoint_saved_on_dp2_tp2_sp_loads_into_a_plain_model_in_one_process(
     runs: list[dict[str, Any]], checkpoint_dir: Path
 ) -> None:
