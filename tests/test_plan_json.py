@@ -245,29 +245,32 @@ def test_diff_of_an_unreadable_file_exits_2_naming_it(capsys: pytest.CaptureFixt
 def test_fields_and_record_types_added_to_the_plan_round_trip_without_encoder_changes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What another change adds to the Plan's dataclasses (a ``loss_parallel``
-    flag on TensorParallel, a tuple of stream-layout records) is written and
-    read by field, found by class name in the Plan's module."""
+    """What a later change adds to the Plan's dataclasses (a flag on
+    TensorParallel, a tuple of records of a new kind) is written and read
+    by field, the new kind found by class name in the Plan's module."""
     module = "fsdptx.planning._plan"
-    layout = dataclasses.make_dataclass("StreamLayout", [("module", str), ("takes", str), ("gives", str)], frozen=True)
+    record = dataclasses.make_dataclass("LaterRecord", [("module", str), ("takes", str), ("gives", str)], frozen=True)
     extended = dataclasses.make_dataclass(
         "TensorParallel",
-        [("loss_parallel", bool, dataclasses.field(default=False)), ("layouts", tuple, dataclasses.field(default=()))],
+        [
+            ("later_flag", bool, dataclasses.field(default=False)),
+            ("later_records", tuple, dataclasses.field(default=())),
+        ],
         bases=(TensorParallel,),
         frozen=True,
     )
-    layout.__module__ = extended.__module__ = module  # as if defined there
-    monkeypatch.setattr(fsdptx.planning._plan, "StreamLayout", layout, raising=False)
+    record.__module__ = extended.__module__ = module  # as if defined there
+    monkeypatch.setattr(fsdptx.planning._plan, "LaterRecord", record, raising=False)
     monkeypatch.setattr(fsdptx.planning._plan, "TensorParallel", extended)
     p = manager_plan(sequence_parallel=True)
     tp = p.tensor_parallel
     assert tp is not None
-    records = (layout("layers.0", "Shard(1)", "Shard(1)"), layout("norm", "Shard(1)", "Replicate()"))
-    q = p.replace(tensor_parallel=extended(tp.assignments, tp.sequence_parallel, tp.skipped, True, records))
+    records = (record("layers.0", "Shard(1)", "Shard(1)"), record("norm", "Shard(1)", "Replicate()"))
+    existing = {f.name: getattr(tp, f.name) for f in dataclasses.fields(tp)}
+    q = p.replace(tensor_parallel=extended(**existing, later_flag=True, later_records=records))
     back = fsdptx.plan_from_json(fsdptx.plan_to_json(q))
     assert back == q
-    assert back.tensor_parallel.loss_parallel is True  # type: ignore[union-attr]
-    assert back.tensor_parallel.layouts == records  # type: ignore[union-attr]
-    assert "tensor_parallel.loss_parallel: False -> True" in str(
-        fsdptx.diff_plans(q.replace(tensor_parallel=dataclasses.replace(q.tensor_parallel, loss_parallel=False)), q)
-    ).splitlines()
+    assert back.tensor_parallel.later_flag is True  # type: ignore[union-attr]
+    assert back.tensor_parallel.later_records == records  # type: ignore[union-attr]
+    unflagged = q.replace(tensor_parallel=dataclasses.replace(q.tensor_parallel, later_flag=False))
+    assert "tensor_parallel.later_flag: False -> True" in str(fsdptx.diff_plans(unflagged, q)).splitlines()
