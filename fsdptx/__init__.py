@@ -24,6 +24,8 @@ with warnings.catch_warnings():
 from .planning._apply import PlanMismatchError, apply_plan, check_plan
 from ._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
 from ._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn
+from .planning._diff import PlanDiff, diff_plans
+from .planning._json import plan_from_json, plan_to_json
 from .planning._imperative import (
     ParameterSet,
     configure_fsdp_unused_param_reduction,
@@ -32,6 +34,7 @@ from .planning._imperative import (
     reject_unsupported_mtp_cp,
     reject_unsupported_mtp_cp_pp,
 )
+from .tp._audit import Drift, ReplicaAudit, audit_replicas, audit_replicas_every
 from .tp._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduction
 from .planning._plan import Checkpointing, Plan, Prefetch, Reduction, TensorParallel, TPAssignment, Unit
 from .planning._planner import PlanningError
@@ -62,6 +65,7 @@ from ._tree import (
 __all__ = [
     "Checkpointing",
     "DEFAULT_MAX_BUFFER_BYTES",
+    "Drift",
     "FSDP2Config",
     "FSDP2Manager",
     "Prefetch",
@@ -76,15 +80,20 @@ __all__ = [
     "tensor_parallel",
     "ParameterSet",
     "Plan",
+    "PlanDiff",
     "PlanMismatchError",
     "PlanningError",
     "Reduction",
+    "ReplicaAudit",
     "Transform",
     "Unit",
     "apply_plan",
+    "audit_replicas",
+    "audit_replicas_every",
     "broadcast_tp_replicas",
     "check_plan",
     "compose",
+    "diff_plans",
     "configure_fsdp_unused_param_reduction",
     "exclude_from_tp_replica_sync",
     "fully_shard_across_blocks",
@@ -104,6 +113,8 @@ __all__ = [
     "mark_tp_replica_gradient_reduction",
     "mp_policy_with_param_dtype",
     "plan",
+    "plan_from_json",
+    "plan_to_json",
     "reject_unsupported_mtp_cp",
     "reject_unsupported_mtp_cp_pp",
     "shard_across_blocks",

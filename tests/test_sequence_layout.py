@@ -162,7 +162,7 @@ def test_str_plan_shows_the_stream_layout_at_each_boundary() -> None:
     text = str(fsdptx.plan(_decoder(), functools.partial(fsdptx.tensor_parallel, sequence_parallel=True)))
     assert "stream (forward order)" in text
     assert "embed_tokens        embedding: token ids -> Shard(1) DTensor" in text
-    assert "[takes the local Shard(1)]" in text
+    assert "layers.0            block: Shard(1) DTensor -> Shard(1)  [takes the local Shard(1)]" in text
     assert "layers.*.attn       region: Shard(1) -> Shard(1) (x2)  [all-gather in as a Replicate DTensor]" in text
     assert "lm_head             head: Shard(1) -> whole" in text
 

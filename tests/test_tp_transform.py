@@ -127,12 +127,15 @@ def test_sequence_parallel_variants_put_the_stream_on_the_sequence_dim(name: str
     assert _layouts(_styles(_tp(_decoder(), plan=sp_plan, sequence_parallel=True))[fqn]) == want
 
 
-def test_under_sequence_parallelism_the_embedding_returns_the_whole_sequence() -> None:
-    """Models derive positions (rotary tables, masks) from the embedding
-    output's length, so it stays whole; the first block slices it."""
+def test_under_sequence_parallelism_the_embedding_reduce_scatters_onto_the_sequence_as_a_dtensor() -> None:
+    """As torchtitan's embedding does (a reduce-scatter, not an all-reduce
+    and a slice); handed on as a DTensor because models derive positions
+    (rotary tables, masks) from the embedding output's length, which a
+    DTensor reports whole."""
     sp_plan = {**_A_STACK, "embed_tokens": "embedding_rowwise"}
     style = _styles(_tp(_decoder(), plan=sp_plan, sequence_parallel=True))["embed_tokens"]
-    assert _layouts(style) == (RowwiseParallel, (Replicate(),), (Replicate(),))
+    assert _layouts(style) == (RowwiseParallel, (Replicate(),), (Shard(1),))
+    assert not style.use_local_output  # type: ignore[attr-defined]
 
 
 def test_under_sequence_parallelism_the_first_block_keeps_its_slice_of_the_sequence() -> None:

@@ -34,6 +34,8 @@ from torch.distributed.tensor import DTensor, Shard
 from ..planning._apply import apply_plan
 from .._meshes import KNOWN_DIMS, ParallelDims
 from ..planning._plan import Plan, Unit, _format_requests, reshards_after_forward
+from ._diff import PlanFileError, add_diff_parser, run_diff
+from ..planning._json import plan_document
 from ._report import OPTIMIZER_STATES, MemoryPlan, ParamShard, UnitTraffic, local_shape, memory_plan, step_traffic
 from ..planning._transforms import compose, mark_reduction, shard_across_blocks, shard_by_dtype
 from ..presets import PRESETS, build_preset
@@ -652,7 +654,8 @@ def _parser() -> _Parser:
         default="adamw",
         help="optimizer state to count: adamw 2 fp32 states, sgd (momentum) 1, none 0 (default adamw)",
     )
-    p.add_argument("--json", action="store_true", help="print the same report as JSON")
+    p.add_argument("--json", action="store_true", help="print the same report as JSON (the plan under \"plan\")")
+    add_diff_parser(sub)
     return parser
 
 
@@ -678,7 +681,9 @@ def run_plan(args: argparse.Namespace) -> str:
             "(_no_split_modules, _keep_in_fp32_modules(_strict), _tp_plan, _fsdp_shard_across_blocks)"
         ) from None
     data = report(name, shape, names, run, args.optimizer)
-    return json.dumps(data, indent=2) if args.json else render(data, run.plan)
+    if args.json:
+        return json.dumps({**data, "plan": plan_document(run.plan)}, indent=2)
+    return render(data, run.plan)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -691,8 +696,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help printed its text
         return e.code if isinstance(e.code, int) else 0
     try:
+        if args.command == "diff":
+            text, code = run_diff(args)
+            print(text)
+            return code
         print(run_plan(args))
-    except UsageError as e:
+    except (UsageError, PlanFileError) as e:
         print(f"fsdptx: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except SystemExit as e:  # model code exited while it was planned or applied: never silently

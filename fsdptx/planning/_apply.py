@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, c
 from .._args import require_module
 from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions, reductions_by_module
 from .._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
+from ._json import described_style_problems
 from ._plan import Checkpointing, Plan, Unit, marks_under_exclusions, preview
 from ._planner import ModelIndex, claim
 from ._snapshot import MarkTargets, vouched_modules
@@ -469,6 +470,7 @@ def apply_resolved(
     directly, its units resolved from the index it has just built.
     ``marks`` holds the modules the marks go to when they are known
     already; else they are looked up by FQN."""
+    _fail(described_style_problems(plan))  # before the TP checks, which read the styles
     problems = _check_against_mesh(plan, model, mesh, moe_mesh)
     problems += _check_checkpointing(plan.checkpointing, model)
     problems += _check_prefetch(plan)

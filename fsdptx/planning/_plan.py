@@ -427,16 +427,19 @@ def _format_stream(steps: tuple[StreamStep, ...]) -> list[str]:
     the sequence-layout pass added there."""
     if not steps:
         return []
-    rows: dict[tuple[str, str, str, str, str], int] = {}
+    rows: dict[tuple[str, str, str, str, str], list[str]] = {}
     for s in steps:
         key = (re.sub(r"(?<![^.])\d+(?![^.])", "*", s.module) or "<root>", s.role, s.takes, s.gives, s.added or "")
-        rows[key] = rows.get(key, 0) + 1
-    width = max(len(k[0]) for k in rows)
+        rows.setdefault(key, []).append(s.module or "<root>")
+    # A pattern stands for several modules; a single module shows as itself.
+    shown = {key: key[0] if len(mods) > 1 else mods[0] for key, mods in rows.items()}
+    width = max(map(len, shown.values()))
     out = ["  stream (forward order): module  role  receives -> hands on  [added]"]
-    for (module, role, takes, gives, added), n in rows.items():
-        count = f" (x{n})" if n > 1 else ""
+    for key, mods in rows.items():
+        _pattern, role, takes, gives, added = key
+        count = f" (x{len(mods)})" if len(mods) > 1 else ""
         extra = f"  [{added}]" if added else ""
-        out.append(f"    {module.ljust(width)}  {role}: {takes} -> {gives}{count}{extra}")
+        out.append(f"    {shown[key].ljust(width)}  {role}: {takes} -> {gives}{count}{extra}")
     return out
 
 

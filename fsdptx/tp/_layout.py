@@ -214,15 +214,20 @@ class _Stream:
         if not chosen:
             return cls((), None, (), (), head)
         container = max(chosen, key=lambda s: len(stacks[s]))
-        backbone = container.rpartition(".")[0] if container else ""
+        stack = tuple(stacks[container])
+        # The backbone holds the stack beside the modules before and after it;
+        # blocks registered on the root directly are their own stack.
+        backbone, _, leaf = container.rpartition(".") if container else ("", "", "")
         owner = index.modules.get(backbone, model)
-        names = [n for n, c in owner._modules.items() if c is not None]
-        at = names.index(container.rpartition(".")[2]) if container.rpartition(".")[2] in names else len(names)
-        full = [f"{backbone}.{n}" if backbone else n for n in names]
-        pre = tuple(f for f in full[:at] if _holds_params(index, f))
-        post = tuple(f for f in full[at + 1 :] if f != head and _holds_params(index, f))
-        embedding = input_embedding(model, index, pre)
-        return cls(pre, embedding, tuple(stacks[container]), post, head)
+        full = [f"{backbone}.{n}" if backbone else n for n, c in owner._modules.items() if c is not None]
+        if container:
+            first = last = full.index(container) if container in full else len(full)
+        else:
+            at = [i for i, f in enumerate(full) if f in stack]
+            first, last = (min(at), max(at)) if at else (len(full), len(full))
+        pre = tuple(f for f in full[:first] if _holds_params(index, f))
+        post = tuple(f for f in full[last + 1 :] if f != head and _holds_params(index, f))
+        return cls(pre, input_embedding(model, index, pre), stack, post, head)
 
 
 def _inside(fqn: str, module: str) -> bool:
@@ -259,8 +264,8 @@ def _walk(p: _Pass, s: _Stream) -> None:
             cur = _embedding(p, fqn, cur)
         elif p.sp and cur.seq == "shard":
             cur = _on_stream(p, fqn, cur)
-        else:
-            _outside_stream_projection_check(p, fqn)
+        elif not p.sp:
+            _plain_module(p, fqn, cur)
     for i, block in enumerate(s.blocks):
         cur = _block(p, block, cur, first=i == 0)
     for fqn in s.post:
@@ -473,13 +478,6 @@ def _plain_module(p: _Pass, fqn: str, cur: _Lay) -> _Lay:
     return cur
 
 
-def _outside_stream_projection_check(p: _Pass, fqn: str) -> None:
-    """A backbone module before the stack beside a whole-sequence
-    embedding: plain layouts, nothing to add."""
-    if not p.sp:
-        _plain_module(p, fqn, _Lay("whole", False, ""))
-
-
 def _head(p: _Pass, head: str | None, cur: _Lay) -> None:
     """The output head: logits for the whole sequence (``Replicate``), or
     vocabulary-sharded under loss parallelism; never the sequence shard."""
@@ -546,35 +544,32 @@ def output_head(model: nn.Module, index: ModelIndex) -> str | None:
     return None if head is None else index.fqn_of_module.get(id(head))
 
 
+def _declared_module(model: nn.Module, getter: str) -> nn.Module | None:
+    """What a Hugging Face model's ``get_output_embeddings`` /
+    ``get_input_embeddings`` returns; ``None`` where it has no such method or
+    its method declines."""
+    fn = getattr(model, getter, None)
+    if not callable(fn):
+        return None
+    try:
+        found = fn()
+    except (NotImplementedError, AttributeError):
+        return None
+    return found if isinstance(found, nn.Module) else None
+
+
 def output_head_module(model: nn.Module, modules: Mapping[str, nn.Module]) -> nn.Module | None:
     """The output head: what a Hugging Face model's ``get_output_embeddings``
     returns, else a root ``lm_head`` or ``output`` Linear (torchtitan's name)."""
-    fn = getattr(model, "get_output_embeddings", None)
-    if callable(fn):
-        try:
-            found = fn()
-        except (NotImplementedError, AttributeError):
-            found = None
-        if isinstance(found, nn.Module):
-            return found
-    for name in ("lm_head", "output"):
-        m = modules.get(name)
-        if isinstance(m, nn.Linear):
-            return m
-    return None
+    found = _declared_module(model, "get_output_embeddings")
+    if found is not None:
+        return found
+    return next((m for name in ("lm_head", "output") if isinstance(m := modules.get(name), nn.Linear)), None)
 
 
 def input_embedding(model: nn.Module, index: ModelIndex, pre: tuple[str, ...]) -> str | None:
     """The module the sequence enters through: ``get_input_embeddings()``
     where the model has it, else the first ``nn.Embedding`` before the stack."""
-    fn = getattr(model, "get_input_embeddings", None)
-    if callable(fn):
-        try:
-            found = fn()
-        except (NotImplementedError, AttributeError):
-            found = None
-        if isinstance(found, nn.Module):
-            fqn = index.fqn_of_module.get(id(found))
-            if fqn is not None:
-                return fqn
-    return next((f for f in pre if isinstance(index.modules[f], nn.Embedding)), None)
+    found = _declared_module(model, "get_input_embeddings")
+    fqn = index.fqn_of_module.get(id(found)) if found is not None else None
+    return fqn if fqn is not None else next((f for f in pre if isinstance(index.modules[f], nn.Embedding)), None)
