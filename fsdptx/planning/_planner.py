@@ -1194,8 +1194,8 @@ def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[
             return found
     best: tuple[int, str, nn.Module] | None = None
     for fqn, cls, module in zip(idx.module_fqns, idx.module_types, idx.walk.modules):
-        if not issubclass(cls, (nn.ModuleList, nn.ModuleDict)):
-            continue
+        if not issubclass(cls, (nn.ModuleList, nn.ModuleDict)) or not is_container(module):
+            continue  # a list class with a forward of its own is a module, not a stack
         classes = Counter(type(unwrap(c)) for c in module._modules.values() if c is not None)
         score = max(classes.values(), default=0)
         if score >= 2 and (best is None or score > best[0]):
