@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from fsdptx import FSDP2Config, FSDP2Manager, Plan
 from fsdptx.planning._apply import shard_kwargs
-from fsdptx._meshes import fsdp_mesh, tp_mesh
+from fsdptx.core._meshes import fsdp_mesh, tp_mesh
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import fake_mesh, record_collectives
 from fsdptx.tp import tp_styles_by_module

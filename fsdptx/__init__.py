@@ -22,8 +22,8 @@ with warnings.catch_warnings():
     import torch  # noqa: F401
 
 from .planning._apply import PlanMismatchError, apply_plan, check_plan
-from ._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
-from ._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn
+from .core._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
+from .core._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn
 from .planning._diff import PlanDiff, diff_plans
 from .planning._json import plan_from_json, plan_to_json
 from .planning._imperative import (
@@ -39,7 +39,7 @@ from .tp._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_re
 from .planning._plan import Checkpointing, Plan, Prefetch, Reduction, TensorParallel, TPAssignment, Unit
 from .planning._planner import PlanningError
 from .planning._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
-from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
+from .core._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
 from .tp._replicas import (
     broadcast_tp_replicas,
     is_tp_replicated,
@@ -55,7 +55,7 @@ from .planning._transforms import (
 )
 from .manager import FSDP2Config, FSDP2Manager, gradient_sync_context, patch_is_packed_sequence
 from .tp import loss_parallel, tensor_parallel
-from ._tree import (
+from .core._tree import (
     get_module_from_path,
     iter_maximal_uniform_dtype_subtrees,
     iter_unique_named_buffers,

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .planning._apply import apply_plan
 from .planning._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
-from ._meshes import ParallelDims, parallel_dims, tp_mesh
+from .core._meshes import ParallelDims, parallel_dims, tp_mesh
 from .planning._plan import Plan
 from .planning._planner import ModelIndex, discover_blocks, resolve_blocks
 from .planning._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from ..planning._apply import apply_plan
-from .._meshes import KNOWN_DIMS, ParallelDims
+from ..core._meshes import KNOWN_DIMS, ParallelDims
 from ..planning._plan import Plan, Unit, _format_requests, reshards_after_forward
 from ._diff import PlanFileError, add_diff_parser, run_diff
 from ..planning._json import plan_document

@@ -19,16 +19,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, create_selective_checkpoint_contexts
 
-from .._args import require_module
+from ..core._args import require_module
 from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions, reductions_by_module
-from .._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
+from ..core._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
 from ._json import described_style_problems
 from ._plan import Checkpointing, Plan, Unit, marks_under_exclusions, preview
 from ._planner import ModelIndex, claim
 from ._snapshot import MarkTargets, vouched_modules
 from ._unit_checks import module_problems, settings_problems
-from .._policy import primitive_policy
-from .._tree import get_module_from_path
+from ..core._policy import primitive_policy
+from ..core._tree import get_module_from_path
 from ..tp._transform import check_tensor_parallel, tied_tp_groups, tp_styles_by_module
 
 __all__ = ["PlanMismatchError", "apply_plan", "apply_resolved", "check_plan", "check_resolved", "shard_kwargs"]

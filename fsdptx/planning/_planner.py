@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from .._dtypes import resolve_compute_dtype, token_search
+from ..core._dtypes import resolve_compute_dtype, token_search
 from ._plan import CrossBlockRequest, DtypeRequest, Unit, UnitKind, preview
-from .._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
-from .._globs import WRAPPER_SEGMENTS, innermost, match_logical, unwrap
-from .._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
+from ..core._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
+from ..core._globs import WRAPPER_SEGMENTS, innermost, match_logical, unwrap
+from ..core._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
 from ._snapshot import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
 from ._unit_checks import is_container
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from .._args import require_module
+from ..core._args import require_module
 from ..hf import hf_fp32_compute_tokens, hf_replica_reductions
 from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, marks_under_exclusions, preview
 from ._planner import ModelIndex, PlanningError, _natural, resolve_blocks, resolve_units

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from ..planning._plan import Plan, Reduction, TensorParallel, TPAssignment
 from ..planning._plan import preview
-from .._globs import segment_match
+from ..core._globs import segment_match
 from ..planning._planner import ModelIndex, PlanningError
 from ._layout import StyleSpec, output_head_module, sequence_layout
 from ._styles import REPLICA_SUM_STYLES, STYLE_NAMES, UNSUPPORTED_STYLES, describe_style
