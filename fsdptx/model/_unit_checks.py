@@ -5,11 +5,13 @@ vouched for when the primitive would accept every unit as it stands."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from ._plan import Unit
+if TYPE_CHECKING:
+    from ..plan._types import Unit  # the one upward edge left: see tests/test_layers.py
 
 __all__ = ["container_classes", "is_container", "module_problems", "settings_problems"]
 
