@@ -66,7 +66,7 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
 
     A plan whose units the planner resolved and checked against this model,
     unchanged since (same walk signature: see
-    :mod:`fsdptx.model._walk`), is not checked again.
+    :mod:`fsdptx.model._walk` and :mod:`fsdptx.plan._vouch`), is not checked again.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"check_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")

@@ -217,7 +217,7 @@ class ModelIndex:
     @functools.cached_property
     def by_logical(self) -> dict[str, str]:
         """Logical FQN (wrapper segments removed) -> the innermost module's
-        real FQN, in walk order (see :mod:`fsdptx._globs`)."""
+        real FQN, in walk order (see :mod:`fsdptx.core._globs`)."""
         return innermost(self.module_fqns)
 
     def match(self, pattern: str) -> list[str]:
