@@ -26,11 +26,7 @@ LAYERS = ("core", "hf", "model", "plan", "tp", "apply", "compat", "manager", "te
 
 # Upward edges still to remove, each with why; the test prints them. Keep empty
 # where possible: an edge listed here that no longer exists fails the test.
-ALLOWED_FOR_NOW: dict[tuple[str, str], str] = {
-    ("fsdptx.model._unit_checks", "fsdptx.plan._types"): (
-        "type-only (TYPE_CHECKING): settings_problems annotates its argument as a plan Unit"
-    ),
-}
+ALLOWED_FOR_NOW: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:

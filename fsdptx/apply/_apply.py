@@ -23,11 +23,11 @@ from ..core._args import require_module
 from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions
 from ..core._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
 from ..model._index import ModelIndex
-from ..model._unit_checks import module_problems, settings_problems
+from ..model._unit_checks import module_problems
 from ..plan._json import described_style_problems
 from ..plan._resolve import claim
 from ..plan._types import Checkpointing, Plan, Unit, marks_under_exclusions, preview
-from ..plan._vouch import MarkTargets, reductions_by_module, vouched_modules
+from ..plan._vouch import MarkTargets, reductions_by_module, settings_problems, vouched_modules
 from ._unused import configure_fsdp_unused_param_reduction
 from ..core._policy import primitive_policy
 from ..core._tree import get_module_from_path

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from ..model._unit_checks import module_problems, settings_problems
+from ..model._unit_checks import module_problems
 from ..model._walk import _DTYPE_GRAD, _NDIM, Signature, walk_model
 from ._types import Reduction
 
@@ -20,7 +21,15 @@ if TYPE_CHECKING:
     from ..model._index import ModelIndex
     from ._types import Plan, Unit
 
-__all__ = ["MarkTargets", "Vouched", "reductions_by_module", "vouch", "vouch_marks", "vouched_modules"]
+__all__ = [
+    "MarkTargets",
+    "Vouched",
+    "reductions_by_module",
+    "settings_problems",
+    "vouch",
+    "vouch_marks",
+    "vouched_modules",
+]
 
 
 def reductions_by_module(reductions: Mapping[str, Reduction]) -> dict[str, dict[str, Reduction]]:
@@ -32,6 +41,21 @@ def reductions_by_module(reductions: Mapping[str, Reduction]) -> dict[str, dict[
         module_fqn, _, name = fqn.rpartition(".")
         by_module.setdefault(module_fqn, {})[name] = reduction
     return by_module
+
+
+def settings_problems(i: int, unit: Unit) -> list[str]:
+    """What the primitive would refuse in the unit's own settings."""
+    problems: list[str] = []
+    if unit.mp_policy is not None and not isinstance(unit.mp_policy, MixedPrecisionPolicy):
+        problems.append(f"unit {i}: mp_policy {unit.mp_policy!r} is not a MixedPrecisionPolicy or None")
+    if unit.offload_policy is not None and not isinstance(unit.offload_policy, OffloadPolicy):
+        problems.append(f"unit {i}: offload_policy {unit.offload_policy!r} is not an OffloadPolicy or None")
+    if unit.mesh not in ("dp", "moe"):
+        problems.append(f"unit {i}: mesh {unit.mesh!r} is neither 'dp' nor 'moe'")
+    r = unit.reshard_after_forward
+    if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r >= 1)):
+        problems.append(f"unit {i}: reshard_after_forward={r!r} is not None, a bool or a positive int")
+    return problems
 
 
 @dataclass(frozen=True, eq=False)
