@@ -23,15 +23,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ._args import require_module
-from ._policy import check_policy_dtypes
-from .planning._apply import apply_plan
-from .planning._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
-from ._meshes import ParallelDims, moe_dp_dims, parallel_dims, tp_mesh
-from .planning._plan import Plan
-from .planning._planner import ModelIndex, discover_blocks, resolve_blocks
-from .planning._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
-from .planning._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
+from .apply._apply import apply_plan
+from .compat._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
+from .core._args import require_module
+from .core._meshes import ParallelDims, moe_dp_dims, parallel_dims, tp_mesh
+from .core._policy import check_policy_dtypes
+from .plan._types import Plan
+from .model._index import ModelIndex, discover_blocks, resolve_blocks
+from .plan._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
+from .plan._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
 from .tp import check_tensor_parallel, tensor_parallel
 
 __all__ = ["FSDP2Config", "FSDP2Manager", "gradient_sync_context", "patch_is_packed_sequence"]

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 
 import fsdptx
 from fsdptx import Plan, Unit
-from fsdptx.planning._plan import Checkpointing, CrossBlockRequest, DtypeRequest, Prefetch, TensorParallel, TPAssignment
+from fsdptx.plan._types import Checkpointing, CrossBlockRequest, DtypeRequest, Prefetch, TensorParallel, TPAssignment
 from fsdptx.testing.strategies import build_module, tree_specs
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -22,9 +22,9 @@ from torch import nn
 
 import fsdptx
 from fsdptx import Plan, PlanMismatchError
-from fsdptx.planning import _apply
-from fsdptx.planning._planner import ModelIndex
-from fsdptx.planning._snapshot import vouch
+from fsdptx.apply import _apply
+from fsdptx.model._index import ModelIndex
+from fsdptx.plan._vouch import vouch
 from fsdptx.testing import mark_sharded
 
 PIPELINE = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 import hf_zoo  # noqa: E402
 
 import fsdptx  # noqa: E402
-from fsdptx.planning._planner import ModelIndex  # noqa: E402
+from fsdptx.model._index import ModelIndex  # noqa: E402
 from fsdptx.testing import fake_mesh  # noqa: E402
 
 PLANNABLE = sorted(n for n in hf_zoo.ZOO if n != "kimi_linear")

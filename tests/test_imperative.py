@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 import fsdptx
-from fsdptx.planning import _imperative as imperative
+from fsdptx.compat import _imperative as imperative
 from fsdptx.testing import fake_mesh, mark_sharded
 
 BF16_POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, output_dtype=BF16)

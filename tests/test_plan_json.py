@@ -15,8 +15,9 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 import fsdptx
 from fsdptx.cli._main import main
-from fsdptx.planning._json import DescribedStyle
-from fsdptx.planning._plan import Plan, TensorParallel, TPAssignment
+from fsdptx.plan import _types as plan_types  # the package fsdptx.plan is shadowed by the function fsdptx.plan
+from fsdptx.plan._json import DescribedStyle
+from fsdptx.plan._types import Plan, TensorParallel, TPAssignment
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import fake_mesh
 
@@ -248,7 +249,7 @@ def test_fields_and_record_types_added_to_the_plan_round_trip_without_encoder_ch
     """What a later change adds to the Plan's dataclasses (a flag on
     TensorParallel, a tuple of records of a new kind) is written and read
     by field, the new kind found by class name in the Plan's module."""
-    module = "fsdptx.planning._plan"
+    module = "fsdptx.plan._types"
     record = dataclasses.make_dataclass("LaterRecord", [("module", str), ("takes", str), ("gives", str)], frozen=True)
     extended = dataclasses.make_dataclass(
         "TensorParallel",
@@ -260,8 +261,8 @@ def test_fields_and_record_types_added_to_the_plan_round_trip_without_encoder_ch
         frozen=True,
     )
     record.__module__ = extended.__module__ = module  # as if defined there
-    monkeypatch.setattr(fsdptx.planning._plan, "LaterRecord", record, raising=False)
-    monkeypatch.setattr(fsdptx.planning._plan, "TensorParallel", extended)
+    monkeypatch.setattr(plan_types, "LaterRecord", record, raising=False)
+    monkeypatch.setattr(plan_types, "TensorParallel", extended)
     p = manager_plan(sequence_parallel=True)
     tp = p.tensor_parallel
     assert tp is not None

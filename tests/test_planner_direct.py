@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
-from fsdptx.planning import _planner as planner
-from fsdptx.planning._planner import ModelIndex
+from fsdptx.plan import _resolve as planner
+from fsdptx.model._index import ModelIndex
 from fsdptx.testing import fake_mesh, mark_sharded
 
 POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)

@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..planning._diff import diff_plans
-from ..planning._json import plan_from_document
-from ..planning._plan import Plan
+from ..plan._diff import diff_plans
+from ..plan._json import plan_from_document
+from ..plan._types import Plan
 
 __all__ = ["add_diff_parser", "run_diff"]
 

@@ -31,13 +31,13 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from ..planning._apply import apply_plan
-from .._meshes import KNOWN_DIMS, ParallelDims
-from ..planning._plan import Plan, Unit, _format_requests, reshards_after_forward
+from ..apply._apply import apply_plan
+from ..core._meshes import KNOWN_DIMS, ParallelDims
+from ..plan._types import Plan, Unit, _format_requests, reshards_after_forward
 from ._diff import PlanFileError, add_diff_parser, run_diff
-from ..planning._json import plan_document
+from ..plan._json import plan_document
 from ._report import OPTIMIZER_STATES, MemoryPlan, ParamShard, UnitTraffic, local_shape, memory_plan, step_traffic
-from ..planning._transforms import compose, mark_reduction, shard_across_blocks, shard_by_dtype
+from ..plan._transforms import compose, mark_reduction, shard_across_blocks, shard_by_dtype
 from ..presets import PRESETS, build_preset
 
 # The pipeline of plain ``fsdptx.plan`` (no manager): kept for callers that

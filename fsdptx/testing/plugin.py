@@ -21,7 +21,7 @@ import pytest
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..planning._plan import Plan
+    from ..plan._types import Plan
     from ._collectives import Collective
 
 SNAPSHOT_DIR = "__plan_snapshots__"
@@ -71,8 +71,8 @@ def check_plan_snapshot(plan: Plan, path: Path, update: bool) -> None:
 
     Compared as plans, not as text: a file written by another fsdptx
     version in another key order still matches an equal plan."""
-    from ..planning._diff import diff_plans
-    from ..planning._json import plan_from_json, plan_to_json
+    from ..plan._diff import diff_plans
+    from ..plan._json import plan_from_json, plan_to_json
 
     text = plan_to_json(plan) + "\n"
     if update:

@@ -34,8 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from .._meshes import KNOWN_DIMS
-from .._tree import iter_unique_named_buffers, iter_unique_named_parameters
+from ..core._meshes import KNOWN_DIMS
+from ..core._tree import iter_unique_named_buffers, iter_unique_named_parameters
 from ._replicas import _describe_tensor, _device, _digest, _local, _TPContext, _walk
 
 __all__ = ["DP_DIMS", "Drift", "ReplicaAudit", "audit_replicas", "audit_replicas_every", "format_drift"]

@@ -48,8 +48,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from ..planning._plan import StreamStep, TPAssignment, preview
-from ..planning._planner import ModelIndex, unwrap_checkpoint
+from ..plan._types import StreamStep, TPAssignment, preview
+from ..model._index import ModelIndex, unwrap_checkpoint
 from ._styles import (
     COLWISE_NAMES,
     ROWWISE_NAMES,

@@ -15,10 +15,12 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from ..planning._plan import Plan, Reduction, TensorParallel, TPAssignment
-from ..planning._plan import preview
-from .._globs import segment_match
-from ..planning._planner import ModelIndex, PlanningError
+from ..core._globs import segment_match
+from ..model._index import ModelIndex, PlanningError
+from ..plan._kinds import unit_blind
+from ..plan._transforms import block_fqns, model_index
+from ..plan._types import Plan, Reduction, TensorParallel, TPAssignment
+from ..plan._types import preview
 from ._layout import StyleSpec, output_head_module, sequence_layout
 from ._styles import REPLICA_SUM_STYLES, STYLE_NAMES, UNSUPPORTED_STYLES, describe_style
 
@@ -39,6 +41,7 @@ def declared_tp_plan(model: nn.Module) -> dict[str, StyleSpec]:
     return dict(own)
 
 
+@unit_blind
 def tensor_parallel(
     model: nn.Module,
     current: Plan,
@@ -80,8 +83,6 @@ def tensor_parallel(
         sp = functools.partial(fsdptx.tensor_parallel, sequence_parallel=True)
         print(fsdptx.plan(model, sp))   # the stream's layout at each module
     """
-    from ..planning._transforms import block_fqns, model_index  # local: _transforms re-exports this transform
-
     index = model_index(model, current)
     explicit = plan is not None
     declared = dict(plan) if plan is not None else declared_tp_plan(model)

@@ -11,8 +11,10 @@ from typing import get_args
 
 from torch import nn
 
-from ._plan import Checkpointing, CheckpointMode, Plan, Prefetch, Unit
-from ._planner import PlanningError
+from ..model._index import PlanningError
+from ._kinds import unit_blind
+from ._transforms import block_fqns, model_index
+from ._types import Checkpointing, CheckpointMode, Plan, Prefetch, Unit
 
 __all__ = [
     "block_units",
@@ -25,6 +27,7 @@ __all__ = [
 CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
 
 
+@unit_blind
 def checkpoint_activations(
     model: nn.Module,
     plan: Plan,
@@ -43,8 +46,6 @@ def checkpoint_activations(
     Blocks default to the model's (``_no_split_modules`` or the largest
     ``nn.ModuleList``).
     """
-    from ._transforms import block_fqns, model_index  # local: _transforms re-exports this transform
-
     if mode not in CHECKPOINT_MODES:
         raise PlanningError(f"checkpoint_activations: unknown mode {mode!r}; use one of {CHECKPOINT_MODES}")
     targets = block_fqns(blocks, model_index(model, plan), "checkpoint_activations")

@@ -20,16 +20,18 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, create_selective_checkpoint_contexts
 
-from .._args import require_module
-from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions, reductions_by_module
-from .._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
-from ._json import described_style_problems
-from ._plan import Checkpointing, Plan, Unit, marks_under_exclusions, preview
-from ._planner import ModelIndex, claim
-from ._snapshot import MarkTargets, vouched_modules
-from ._unit_checks import module_problems, settings_problems
-from .._policy import primitive_policy
-from .._tree import get_module_from_path
+from ..core._args import require_module
+from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions
+from ..core._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
+from ..model._index import ModelIndex
+from ..model._unit_checks import module_problems
+from ..plan._json import described_style_problems
+from ..plan._resolve import claim
+from ..plan._types import Checkpointing, Plan, Unit, marks_under_exclusions, preview
+from ..plan._vouch import MarkTargets, reductions_by_module, settings_problems, vouched_modules
+from ._unused import configure_fsdp_unused_param_reduction
+from ..core._policy import primitive_policy
+from ..core._tree import get_module_from_path
 from ..tp._transform import check_tensor_parallel, tied_tp_groups, tp_styles_by_module
 
 __all__ = [
@@ -86,7 +88,7 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
 
     A plan whose units the planner resolved and checked against this model,
     unchanged since (same walk signature: see
-    :mod:`fsdptx.planning._snapshot`), is not checked again.
+    :mod:`fsdptx.model._walk` and :mod:`fsdptx.plan._vouch`), is not checked again.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"check_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
@@ -503,8 +505,6 @@ def apply_resolved(
             if chain.backward:
                 unit_module.set_modules_to_backward_prefetch([get_module_from_path(model, m) for m in chain.backward])  # type: ignore[misc]
     if plan.reduce_unused_params:
-        from ._imperative import configure_fsdp_unused_param_reduction  # local: _imperative applies plans
-
         configure_fsdp_unused_param_reduction(model)
     if marks is None:
         marks = (

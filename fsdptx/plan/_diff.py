@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._plan import Plan, Unit, summarize_modules
+from ._types import Plan, Unit, summarize_modules
 
 __all__ = ["PlanDiff", "diff_plans"]
 

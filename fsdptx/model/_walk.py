@@ -27,35 +27,21 @@ handed to the primitive are the ones this walk found.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..tp._marks import reductions_by_module
-from ._unit_checks import container_classes, module_problems, settings_problems
-
-from ._plan import Reduction
-
-if TYPE_CHECKING:
-    from ._plan import Plan, Unit
-    from ._planner import ModelIndex
+from ._unit_checks import container_classes
 
 __all__ = [
     "TIE_ATTRIBUTES",
-    "MarkTargets",
     "ModelWalk",
-    "Vouched",
     "declared_ties",
-    "vouch",
-    "vouch_marks",
-    "vouched_modules",
     "walk_model",
 ]
 
@@ -272,86 +258,3 @@ def walk_model(root: nn.Module, *, enter_sharded: bool = True) -> ModelWalk:
                 if child is not None:
                     push((child, here, cname))
     return ModelWalk(modules, parents, names, repeats, owners, slot_names, params, position, enter_sharded)
-
-
-@dataclass(frozen=True, eq=False)
-class Vouched:
-    """What planning vouches for: ``units`` (this very tuple) were resolved
-    against a model whose walk had this signature, and are found, in walk
-    order, at ``positions``. ``reductions``/``exclusions`` (these very
-    objects) were checked against the same model, or are ``None``; then
-    ``marks`` holds, per module holding marked parameters, its walk
-    position and its marks by local name, and ``excluded`` the walk
-    position of each excluded module."""
-
-    signature: Signature
-    units: tuple[Unit, ...]
-    positions: tuple[tuple[int, ...], ...]
-    reductions: Mapping[str, Reduction] | None = None
-    exclusions: tuple[str, ...] | None = None
-    marks: tuple[tuple[int, Mapping[str, Reduction]], ...] = ()
-    excluded: tuple[int, ...] = ()
-
-
-# The modules a plan's marks go to: per module holding marked parameters,
-# its marks by local name; and the excluded modules.
-MarkTargets = tuple[list[tuple[nn.Module, Mapping[str, Reduction]]], list[nn.Module]]
-
-
-def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
-    """Vouch for ``units``, just resolved from ``index``; ``None`` (no
-    vouching: the full check runs and names the problems) when the index
-    did not see the whole model, some parameter is a scalar or a trainable
-    non-floating (complex) one (the planner does not group those by dtype),
-    or the primitive would refuse some unit's settings or modules. Those
-    depend only on the units and the modules' classes, which the signature
-    holds fixed, so applying a vouched plan re-checks none of them."""
-    walk = index.walk
-    if not walk.complete or 0 in map(_NDIM, walk.facts):
-        return None
-    if any(grad and not dtype.is_floating_point for dtype, grad in set(map(_DTYPE_GRAD, walk.facts))):
-        return None  # a trainable complex parameter: the planner leaves it keyless
-    position, modules = walk.position, index.modules
-    positions = tuple(tuple(position[id(modules[f])] for f in u.modules) for u in units)
-    for i, (unit, at) in enumerate(zip(units, positions)):
-        if settings_problems(i, unit) or module_problems(i, unit.modules, [walk.modules[j] for j in at]):
-            return None
-    return Vouched(walk.signature, units, positions)
-
-
-def vouch_marks(index: ModelIndex, plan: Plan) -> object:
-    """``plan.verified`` extended to the plan's reductions and exclusions when
-    each names a parameter or module of the model ``index`` was built from."""
-    vouched = plan.verified
-    if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
-        return vouched
-    named = all(map(index.has_param, plan.reductions)) and all(f in index.modules for f in plan.exclusions)
-    if not named:
-        return vouched
-    position, modules = index.walk.position, index.modules
-    return dataclasses.replace(
-        vouched,
-        reductions=plan.reductions,
-        exclusions=plan.exclusions,
-        marks=tuple((position[id(modules[f])], m) for f, m in reductions_by_module(plan.reductions).items()),
-        excluded=tuple(position[id(modules[f])] for f in plan.exclusions),
-    )
-
-
-def vouched_modules(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]], MarkTargets] | None:
-    """Each unit's modules, and the modules the marks go to, when the plan
-    is vouched for and ``model`` walks to the same signature; ``None`` when
-    anything calls for the full check."""
-    vouched = plan.verified
-    if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
-        return None
-    if plan.reductions and vouched.reductions is not plan.reductions:
-        return None
-    if plan.exclusions and vouched.exclusions is not plan.exclusions:
-        return None
-    walk = walk_model(model)
-    if not vouched.signature.matches(walk):
-        return None
-    found = walk.modules
-    units = [[found[i] for i in at] for at in vouched.positions]
-    return units, ([(found[i], m) for i, m in vouched.marks], [found[i] for i in vouched.excluded])

@@ -11,18 +11,20 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Protocol
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from .._args import require_module
-from .._policy import check_policy_dtypes
+from ..core._args import require_module
+from ..core._policy import check_policy_dtypes
 from ..hf import hf_fp32_compute_tokens, hf_replica_reductions
-from ._plan import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, marks_under_exclusions, preview
-from ._planner import ModelIndex, PlanningError, _natural, resolve_blocks, resolve_units
-from ._snapshot import vouch, vouch_marks
+from ..model._index import ModelIndex, PlanningError, _natural, resolve_blocks
+from ._kinds import reads_no_units as _reads_no_units, request_of as _request_of, request_transform, unit_blind
+from ._resolve import resolve_units
+from ._types import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, marks_under_exclusions, preview
+from ._vouch import vouch, vouch_marks
 
 __all__ = [
     "Transform",
@@ -186,7 +188,7 @@ def check_reshard(value: object, where: str) -> bool | int | None:
 
 def block_fqns(blocks: Sequence[str] | None, index: ModelIndex, where: str) -> tuple[str, ...]:
     """The target blocks: given (module FQNs, class names or globs: see
-    :func:`~fsdptx.planning._planner.resolve_blocks`), or discovered; never
+    :func:`~fsdptx.plan._resolve.resolve_blocks`), or discovered; never
     nested in one another (a block inside another would be silently
     absorbed by it)."""
     if blocks is None:
@@ -214,34 +216,6 @@ def _tuple_of_str(value: object, what: str) -> tuple[str, ...]:
     if bad:
         raise TypeError(f"{what} must be strings, got {bad!r}")
     return items  # type: ignore[return-value]
-
-
-RequestFn = Callable[..., Plan]
-# Sharding transform -> its request function (records the request, resolves nothing).
-_REQUESTS: dict[object, RequestFn] = {}
-
-
-# Transforms that neither read nor write units (mark_reduction): pending
-# sharding requests are not resolved before them, so a compose with one between
-# two sharding transforms resolves both requests together, as in any other order.
-_UNIT_BLIND: set[object] = set()
-
-
-def _unwrap(t: object) -> tuple[object, dict[str, Any]]:
-    """A built-in transform and its keyword options, seeing through a
-    keyword-only ``functools.partial`` (one with positional args is opaque)."""
-    if isinstance(t, functools.partial) and not t.args:
-        return t.func, dict(t.keywords)
-    return t, {}
-
-
-def _reads_no_units(t: object) -> bool:
-    return _unwrap(t)[0] in _UNIT_BLIND
-
-
-def _request_of(t: object) -> tuple[RequestFn, dict[str, Any]] | None:
-    base, options = _unwrap(t)
-    return (_REQUESTS[base], options) if base in _REQUESTS else None
 
 
 def _request_dtype(
@@ -328,6 +302,7 @@ def _experts(model: nn.Module, index: ModelIndex, globs: Collection[str] | None)
     return tuple(sorted(found, key=_natural))
 
 
+@request_transform(_request_dtype)
 def shard_by_dtype(
     model: nn.Module,
     plan: Plan,
@@ -395,6 +370,7 @@ def _request_cross_blocks(
     return plan.replace(cross_block_requests=plan.cross_block_requests + (request,))
 
 
+@request_transform(_request_cross_blocks)
 def shard_across_blocks(
     model: nn.Module,
     plan: Plan,
@@ -414,8 +390,6 @@ def shard_across_blocks(
     return plan if requested is plan else _resolve(model, requested, index)
 
 
-_REQUESTS[shard_by_dtype] = _request_dtype
-_REQUESTS[shard_across_blocks] = _request_cross_blocks
 
 
 def _matching(index: ModelIndex, patterns: Collection[str]) -> dict[str, list[str]]:
@@ -451,6 +425,7 @@ def _declared_reductions(model: nn.Module, index: ModelIndex) -> dict[str, str]:
     return {**implied, **own}
 
 
+@unit_blind
 def mark_reduction(
     model: nn.Module,
     plan: Plan,
@@ -524,18 +499,3 @@ def mark_reduction(
             )
         excluded.extend(f for f in matched if f not in excluded)
     return plan.replace(reductions=out, exclusions=tuple(excluded))
-
-
-_UNIT_BLIND.add(mark_reduction)
-
-
-def _register_unit_blind() -> None:
-    """Transforms that only record requests (TP styles, checkpointing) do
-    not interrupt a fused run of sharding transforms."""
-    from ._refine import checkpoint_activations
-    from ..tp._transform import tensor_parallel
-
-    _UNIT_BLIND.update((checkpoint_activations, tensor_parallel))
-
-
-_register_unit_blind()

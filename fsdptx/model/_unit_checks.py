@@ -1,17 +1,17 @@
 """What ``fully_shard`` would refuse in a unit on its own: its settings and
 its modules. Both the full check and vouching read these, so a plan is only
-vouched for when the primitive would accept every unit as it stands."""
+vouched for when the primitive would accept every unit as it stands. (The
+settings check reads a plan Unit, so it is in the plan layer:
+:func:`fsdptx.plan._vouch.settings_problems`.)"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule
 
-from ._plan import Unit
-
-__all__ = ["container_classes", "is_container", "module_problems", "settings_problems"]
+__all__ = ["container_classes", "is_container", "module_problems"]
 
 
 def is_container(module: nn.Module) -> bool:
@@ -44,19 +44,4 @@ def module_problems(i: int, fqns: tuple[str, ...], mods: list[nn.Module]) -> lis
                 f"unit {i}: module {fqn!r} is a {type(m).__name__} without forward, which "
                 "fully_shard rejects; plan its elements instead"
             )
-    return problems
-
-
-def settings_problems(i: int, unit: Unit) -> list[str]:
-    """What the primitive would refuse in the unit's own settings."""
-    problems: list[str] = []
-    if unit.mp_policy is not None and not isinstance(unit.mp_policy, MixedPrecisionPolicy):
-        problems.append(f"unit {i}: mp_policy {unit.mp_policy!r} is not a MixedPrecisionPolicy or None")
-    if unit.offload_policy is not None and not isinstance(unit.offload_policy, OffloadPolicy):
-        problems.append(f"unit {i}: offload_policy {unit.offload_policy!r} is not an OffloadPolicy or None")
-    if unit.mesh not in ("dp", "moe"):
-        problems.append(f"unit {i}: mesh {unit.mesh!r} is neither 'dp' nor 'moe'")
-    r = unit.reshard_after_forward
-    if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r >= 1)):
-        problems.append(f"unit {i}: reshard_after_forward={r!r} is not None, a bool or a positive int")
     return problems

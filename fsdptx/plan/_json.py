@@ -9,7 +9,7 @@ The encoder is generic on purpose: it walks the fields of frozen dataclasses
 and knows a handful of leaf kinds (str/int/bool/None, tuples, mappings,
 torch dtypes, placements, FSDP policies, tensor-parallel styles). A field
 added to any Plan dataclass is serialized without touching this module; a
-dataclass added to :mod:`fsdptx.planning._plan` is found by name.
+dataclass added to :mod:`fsdptx.plan._types` is found by name.
 
 Every dataclass or special object is a JSON object with a ``"__type__"``
 key; every other JSON object is a mapping, every JSON list a tuple.
@@ -38,8 +38,8 @@ from torch.distributed.tensor.parallel import (
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _plan
-from ._plan import Plan
+from . import _types as _plan
+from ._types import Plan
 
 __all__ = [
     "SCHEMA_VERSION",

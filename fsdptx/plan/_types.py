@@ -239,7 +239,7 @@ class Plan:
     # one fsdptx.plan() call so the model is walked once; plan() drops it
     # before returning. Not part of the Plan's value.
     scratch: object | None = field(default=None, compare=False, repr=False)
-    # What planning vouches for (fsdptx.planning._snapshot.Vouched): the
+    # What planning vouches for (fsdptx.plan._vouch.Vouched): the
     # signature of the model these very units were resolved against, so
     # apply_plan can skip re-deriving their claims while the model is
     # unchanged. Not part of the Plan's value; new units drop its use.
