@@ -21,28 +21,28 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch  # noqa: F401
 
-from .planning._apply import PlanMismatchError, apply_plan, check_plan
-from ._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
-from ._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn
-from .planning._imperative import (
-    ParameterSet,
-    configure_fsdp_unused_param_reduction,
-    fully_shard_across_blocks,
-    fully_shard_by_dtype,
-    reject_unsupported_mtp_cp,
-    reject_unsupported_mtp_cp_pp,
+# The contract: every public name, grouped by layer (see docs/architecture.md).
+# Sorted within each section.
+
+# core: pure building blocks
+from .core._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
+from .core._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn
+from .core._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
+from .core._tree import (
+    get_module_from_path,
+    iter_maximal_uniform_dtype_subtrees,
+    iter_unique_named_buffers,
+    iter_unique_named_parameters,
 )
-from .tp._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduction
-from .planning._plan import Checkpointing, Plan, Prefetch, Reduction, TensorParallel, TPAssignment, Unit
-from .planning._planner import PlanningError
-from .planning._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
-from ._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
-from .tp._replicas import (
-    broadcast_tp_replicas,
-    is_tp_replicated,
-    synchronize_tp_replica_gradients,
-)
-from .planning._transforms import (
+
+# model: the walk and the model index
+from .model._index import PlanningError
+
+# plan: the Plan, its transforms, and plan files
+from .plan._diff import PlanDiff, diff_plans
+from .plan._json import plan_from_json, plan_to_json
+from .plan._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
+from .plan._transforms import (
     Transform,
     compose,
     mark_reduction,
@@ -50,65 +50,103 @@ from .planning._transforms import (
     shard_across_blocks,
     shard_by_dtype,
 )
-from .manager import FSDP2Config, FSDP2Manager, gradient_sync_context, patch_is_packed_sequence
-from .cli._memory import MemoryEstimate, estimate_memory
-from .tp import tensor_parallel
-from ._tree import (
-    get_module_from_path,
-    iter_maximal_uniform_dtype_subtrees,
-    iter_unique_named_buffers,
-    iter_unique_named_parameters,
+from .plan._types import Checkpointing, Plan, Prefetch, Reduction, TensorParallel, TPAssignment, Unit
+
+# tp: tensor/sequence parallelism, TP-replica marks, sync and audit
+from .tp import loss_parallel, tensor_parallel
+from .tp._audit import Drift, ReplicaAudit, audit_replicas, audit_replicas_every
+from .tp._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduction
+from .tp._replicas import (
+    broadcast_tp_replicas,
+    is_tp_replicated,
+    synchronize_tp_replica_gradients,
 )
 
+# apply: carrying a plan out
+from .apply._apply import PlanMismatchError, apply_plan, check_plan
+from .apply._unused import configure_fsdp_unused_param_reduction
+
+# compat: the seed-compatible imperative API and the MTP guards
+from .compat._imperative import (
+    ParameterSet,
+    fully_shard_across_blocks,
+    fully_shard_by_dtype,
+    reject_unsupported_mtp_cp,
+    reject_unsupported_mtp_cp_pp,
+)
+
+# manager: the all-in-one entry point
+from .manager import FSDP2Config, FSDP2Manager, gradient_sync_context, patch_is_packed_sequence
+
+# cli: the dry run's memory estimate of one traced training step
+from .cli._memory import MemoryEstimate, estimate_memory
+
 __all__ = [
-    "Checkpointing",
+    # core
     "DEFAULT_MAX_BUFFER_BYTES",
-    "FSDP2Config",
-    "FSDP2Manager",
-    "MemoryEstimate",
-    "Prefetch",
-    "TPAssignment",
-    "TensorParallel",
-    "checkpoint_activations",
-    "gradient_sync_context",
-    "patch_is_packed_sequence",
-    "prefetch",
-    "reduce_unused_params",
-    "reshard_policy",
-    "tensor_parallel",
-    "ParameterSet",
-    "Plan",
-    "PlanMismatchError",
-    "PlanningError",
-    "Reduction",
-    "Transform",
-    "Unit",
-    "apply_plan",
-    "broadcast_tp_replicas",
-    "check_plan",
-    "compose",
-    "configure_fsdp_unused_param_reduction",
-    "estimate_memory",
-    "exclude_from_tp_replica_sync",
-    "fully_shard_across_blocks",
-    "fully_shard_by_dtype",
     "get_internal_fsdp_mp_policy",
     "get_module_from_path",
     "gradient_chunks",
     "gradient_reduce_dtype",
     "group_params_by_dtype",
-    "is_tp_replicated",
     "iter_maximal_uniform_dtype_subtrees",
     "iter_unique_named_buffers",
     "iter_unique_named_parameters",
     "make_compute_dtype_fn",
-    "mark_reduction",
-    "mark_tp_replica_gradient_reduction",
     "mp_policy_with_param_dtype",
+    # model
+    "PlanningError",
+    # plan
+    "Checkpointing",
+    "Plan",
+    "PlanDiff",
+    "Prefetch",
+    "Reduction",
+    "TPAssignment",
+    "TensorParallel",
+    "Transform",
+    "Unit",
+    "checkpoint_activations",
+    "compose",
+    "diff_plans",
+    "mark_reduction",
     "plan",
-    "reject_unsupported_mtp_cp",
-    "reject_unsupported_mtp_cp_pp",
+    "plan_from_json",
+    "plan_to_json",
+    "prefetch",
+    "reduce_unused_params",
+    "reshard_policy",
     "shard_across_blocks",
     "shard_by_dtype",
+    # tp
+    "Drift",
+    "ReplicaAudit",
+    "audit_replicas",
+    "audit_replicas_every",
+    "broadcast_tp_replicas",
+    "exclude_from_tp_replica_sync",
+    "is_tp_replicated",
+    "loss_parallel",
+    "mark_tp_replica_gradient_reduction",
     "synchronize_tp_replica_gradients",
+    "tensor_parallel",
+    # apply
+    "PlanMismatchError",
+    "apply_plan",
+    "check_plan",
+    "configure_fsdp_unused_param_reduction",
+    # compat
+    "ParameterSet",
+    "fully_shard_across_blocks",
+    "fully_shard_by_dtype",
+    "reject_unsupported_mtp_cp",
+    "reject_unsupported_mtp_cp_pp",
+    # manager
+    "FSDP2Config",
+    "FSDP2Manager",
+    "gradient_sync_context",
+    "patch_is_packed_sequence",
+    # cli
+    "MemoryEstimate",
+    "estimate_memory",
 ]

@@ -10,11 +10,12 @@ do can be printed, diffed and tested before any rank touches a GPU.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -22,13 +23,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .planning._apply import apply_plan
-from .planning._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
-from ._meshes import ParallelDims, parallel_dims, tp_mesh
-from .planning._plan import Plan
-from .planning._planner import discover_blocks
-from .planning._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
-from .planning._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
+from .apply._apply import apply_plan
+from .compat._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
+from .core._args import require_module
+from .core._meshes import ParallelDims, moe_dp_dims, parallel_dims, tp_mesh
+from .core._policy import check_policy_dtypes
+from .plan._types import Plan
+from .model._index import ModelIndex, discover_blocks, resolve_blocks
+from .plan._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
+from .plan._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
 from .tp import check_tensor_parallel, tensor_parallel
 
 __all__ = ["FSDP2Config", "FSDP2Manager", "gradient_sync_context", "patch_is_packed_sequence"]
@@ -45,9 +48,93 @@ _BF16_POLICY = MixedPrecisionPolicy(
 )
 
 
+_V = TypeVar("_V")
+
+
+class FrozenMapping(Mapping[str, _V]):
+    """A read-only, hashable mapping: what ``FSDP2Config.tp_plan`` stores, so
+    the frozen config is frozen all the way down (a dict given at
+    construction can be changed afterwards by whoever kept it) and hashes
+    (``MappingProxyType`` does not). Items are kept sorted by key, so two
+    plans with the same entries are equal and hash alike whatever order they
+    were written in. Values are hashed by identity where they define no
+    hash of their own (torch ``ParallelStyle`` objects)."""
+
+    __slots__ = ("_items", "_lookup")
+
+    def __init__(self, source: Mapping[str, _V]) -> None:
+        self._items: tuple[tuple[str, _V], ...] = tuple(sorted(source.items(), key=lambda kv: kv[0]))
+        self._lookup: dict[str, _V] = dict(self._items)
+
+    def __getitem__(self, key: str) -> _V:
+        return self._lookup[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _v in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple((k, _hashable(v)) for k, v in self._items))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return dict(self._items) == dict(other.items())
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"FrozenMapping({dict(self._items)!r})"
+
+
+def _hashable(value: object) -> object:
+    try:
+        hash(value)
+    except TypeError:
+        return id(value)
+    return value
+
+
+def _check_tp_plan(plan: object) -> FrozenMapping[str | ParallelStyle] | None:
+    """``tp_plan`` as an immutable mapping, every entry checked now: a
+    non-string key, a style that is neither one of
+    :data:`fsdptx.tp.STYLE_NAMES` nor a torch ``ParallelStyle`` (an int, a
+    typo, ``None``) fails at construction, naming the entry, instead of at
+    the first TP plan resolution on every rank."""
+    if plan is None:
+        return None
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"FSDP2Config.tp_plan must be a mapping of module glob -> style, got {plan!r}")
+    from .tp import STYLE_NAMES
+
+    for key, style in plan.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"FSDP2Config.tp_plan: key {key!r} must be a module glob (str), got {type(key).__name__}"
+            )
+        if isinstance(style, ParallelStyle):
+            continue
+        if not isinstance(style, str):
+            raise TypeError(
+                f"FSDP2Config.tp_plan[{key!r}]: style must be a style name or a torch ParallelStyle, "
+                f"got {style!r}; use one of {', '.join(STYLE_NAMES)}"
+            )
+        if style not in STYLE_NAMES:
+            close = difflib.get_close_matches(style, STYLE_NAMES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"FSDP2Config.tp_plan[{key!r}]: unknown style {style!r}{hint} "
+                f"(names: {', '.join(STYLE_NAMES)}, or a torch ParallelStyle)"
+            )
+    return FrozenMapping(plan)
+
+
 @dataclass(frozen=True)
 class FSDP2Config:
-    """Settings of :class:`FSDP2Manager`, with the reference's defaults.
+    """Settings of :class:`FSDP2Manager`.
+
+    The reference page lists these fields without their defaults; the
+    defaults here are fsdptx's own choices (see ``docs/manager.md``).
 
     ``mp_policy=None`` means mixed precision disabled: every unit computes
     in its storage dtype. (The reference silently substitutes a bf16 policy
@@ -61,11 +148,37 @@ class FSDP2Config:
     blocks ahead each block all-gathers. Invalid values fail here, naming
     the field, so a typo in a launcher fails before any process group work.
 
+    ``tp_plan`` maps module globs to style names (:data:`fsdptx.tp.STYLE_NAMES`)
+    or torch ``ParallelStyle`` objects; it is checked entry by entry here
+    and stored as a read-only, hashable mapping, so the config stays frozen
+    and hashable. ``mp_policy`` dtypes must be floating.
+
+    ``defer_fsdp_grad_sync`` is the default of :meth:`FSDP2Manager.gradient_sync_context`'s
+    ``defer``: with ``True`` gradient accumulation reduce-scatters only on
+    the micro-batch that ends the optimizer step.
+
     Beyond the reference: ``expert_modules`` (globs of expert modules,
-    sharded over ``moe_mesh``; default: what the model declares) and
-    ``cross_block_modules`` (block-relative names whose fp32 holders become
-    one unit across all blocks, e.g. ``("self_attn",)`` for GPT-OSS sinks;
-    default: the model's ``_fsdp_shard_across_blocks``).
+    sharded over ``moe_mesh``; default: what the model declares; given
+    without a ``moe_mesh`` it has no effect, and the manager logs a warning
+    saying so), ``cross_block_modules`` (block-relative names whose fp32
+    holders become one unit across all blocks, e.g. ``("self_attn",)`` for
+    GPT-OSS sinks; default: the model's ``_fsdp_shard_across_blocks``),
+    ``blocks`` (the model's blocks as class names, FQNs or globs such as
+    ``"layers.*"``; default: ``_no_split_modules``, else the largest
+    ``nn.ModuleList`` or ``nn.ModuleDict`` of same-class children) and
+    ``loss_parallel`` (with tensor parallelism, the head's logits stay
+    vocabulary-sharded DTensors; compute the loss under
+    :func:`fsdptx.loss_parallel`).
+
+    The mixed-precision policy applies on every mesh: with one
+    data-parallel rank each block is still an FSDP unit (on a size-1
+    data-parallel mesh), which is what casts it, as the reference does.
+
+    Deliberately absent: ``activation_checkpointing_scope``,
+    ``autocast_dtype`` and ``multimodal``. The reference pages fsdptx is
+    modelled on do not define them, so there is no behaviour to match;
+    ``activation_checkpointing`` covers the blocks, and ``mp_policy`` is
+    the one place compute dtypes are set (no autocast).
     """
 
     sequence_parallel: bool = False
@@ -83,6 +196,8 @@ class FSDP2Config:
     fsdp2_forward_prefetch_depth: int = 1
     expert_modules: tuple[str, ...] | None = None
     cross_block_modules: tuple[str, ...] | None = None
+    blocks: tuple[str, ...] | None = None
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -92,6 +207,7 @@ class FSDP2Config:
             "enable_async_tensor_parallel",
             "enable_compile",
             "enable_fsdp2_prefetch",
+            "loss_parallel",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FSDP2Config.{name} must be a bool, got {getattr(self, name)!r}")
@@ -116,9 +232,9 @@ class FSDP2Config:
         r = self.reshard_after_forward
         if not (r is None or isinstance(r, bool) or (type(r) is int and r >= 1)):
             raise ValueError(f"FSDP2Config.reshard_after_forward must be None, a bool or an int >= 1, got {r!r}")
-        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
-            raise TypeError(f"FSDP2Config.tp_plan must be a mapping of module glob -> style, got {self.tp_plan!r}")
-        for name in ("expert_modules", "cross_block_modules"):
+        object.__setattr__(self, "tp_plan", _check_tp_plan(self.tp_plan))
+        check_policy_dtypes(self.mp_policy, "FSDP2Config")
+        for name in ("expert_modules", "cross_block_modules", "blocks"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
                 raise TypeError(f"FSDP2Config.{name} must be a tuple of str, got {value!r}")
@@ -160,10 +276,22 @@ class FSDP2Manager:
     def __init__(self, config: FSDP2Config, device_mesh: DeviceMesh, moe_mesh: DeviceMesh | None = None) -> None:
         if not isinstance(config, FSDP2Config):
             raise TypeError(f"FSDP2Manager: config must be an FSDP2Config, got {type(config).__name__}")
+        self.dims: ParallelDims = parallel_dims(device_mesh)
+        if moe_mesh is not None:
+            # parallelize() refuses a MoE mesh over another world or without a
+            # data-parallel dim; refusing it here makes plan() (the dry run)
+            # fail exactly where the real run would.
+            moe_dp_dims(moe_mesh, device_mesh)
+        elif config.expert_modules:
+            logger.warning(
+                "FSDP2Manager: expert_modules=%r has no effect without a moe_mesh; the experts are "
+                "sharded with their blocks over device_mesh (pass moe_mesh= to shard them apart)",
+                config.expert_modules,
+            )
         self.config = config
         self.device_mesh = device_mesh
         self.moe_mesh = moe_mesh
-        self.dims: ParallelDims = parallel_dims(device_mesh)
+        self._inductor_micro_pipeline_tp: list[bool] = []  # values async TP replaced, to restore
         if config.sequence_parallel and self.dims.tp == 1:
             logger.info("FSDP2Manager: sequence_parallel has no effect without a tp dim of size > 1")
         if config.tp_plan is not None and self.dims.tp == 1:
@@ -183,18 +311,28 @@ class FSDP2Manager:
         the mesh: TP, checkpointing, dtype and cross-block units, reduction
         marks, reshard policy, prefetch (each only where it applies)."""
         cfg, dims = self.config, self.dims
+        blocks = cfg.blocks
         steps: list[Transform] = []
         if dims.tp > 1:
-            steps.append(functools.partial(tensor_parallel, plan=cfg.tp_plan, sequence_parallel=cfg.sequence_parallel))
+            steps.append(
+                functools.partial(
+                    tensor_parallel,
+                    plan=cfg.tp_plan,
+                    sequence_parallel=cfg.sequence_parallel,
+                    loss_parallel=cfg.loss_parallel,
+                    blocks=blocks,
+                )
+            )
         if cfg.checkpoint_mode is not None:
-            steps.append(functools.partial(checkpoint_activations, mode=cfg.checkpoint_mode))
-        if dims.sharding_enabled:
+            steps.append(functools.partial(checkpoint_activations, mode=cfg.checkpoint_mode, blocks=blocks))
+        units = self._plans_units()
+        if units:
             steps += [
-                functools.partial(shard_by_dtype, expert_modules=self._expert_modules(model)),
-                functools.partial(shard_across_blocks, module_names=cfg.cross_block_modules),
+                functools.partial(shard_by_dtype, expert_modules=self._expert_modules(model), blocks=blocks),
+                functools.partial(shard_across_blocks, module_names=cfg.cross_block_modules, blocks=blocks),
             ]
         steps.append(mark_reduction)
-        if dims.sharding_enabled:
+        if units:
             steps.append(functools.partial(reshard_policy, pipeline_parallel=dims.pp > 1))
             if cfg.enable_fsdp2_prefetch:
                 steps.append(
@@ -207,6 +345,13 @@ class FSDP2Manager:
             if dims.cp > 1:
                 steps.append(reduce_unused_params)
         return compose(*steps)
+
+    def _plans_units(self) -> bool:
+        """FSDP units are planned when several ranks share the parameters,
+        and also on one data-parallel rank when a mixed-precision or
+        offload policy must be applied: FSDP is what applies them."""
+        cfg = self.config
+        return self.dims.sharding_enabled or cfg.mp_policy is not None or cfg.offload_policy is not None
 
     def _expert_modules(self, model: nn.Module) -> tuple[str, ...]:
         """Experts get units of their own only when there is a MoE mesh for
@@ -244,8 +389,12 @@ class FSDP2Manager:
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply :meth:`plan` to ``model`` with :func:`fsdptx.apply_plan`
-        (everything validated before anything is mutated); returns ``model``."""
-        result = apply_plan(self.plan(model), model, self.device_mesh, moe_mesh=self.moe_mesh)
+        (everything validated before anything is mutated); returns ``model``.
+        The Plan's warnings (no blocks found, say) are logged."""
+        planned = self.plan(model)
+        for warning in planned.warnings:
+            logger.warning("FSDP2Manager: %s", warning)
+        result = apply_plan(planned, model, self.device_mesh, moe_mesh=self.moe_mesh)
         if self.config.patch_is_packed_sequence:
             patch_is_packed_sequence()
         return result
@@ -258,23 +407,47 @@ class FSDP2Manager:
         per block (not the whole model) keeps graphs small and lets FSDP's
         per-block collectives overlap with compute. Async TP turns on
         inductor's micro-pipelined TP and symmetric memory for the TP group
-        where torch supports it (CUDA), and logs where it cannot.
+        where torch supports it (CUDA), and logs where it cannot. Inductor
+        reads that switch when a graph compiles (at the first call, not
+        here), so it stays on for the process: :meth:`restore_async_tensor_parallel`
+        puts back the value it had before.
         """
+        require_module(model, "model", "FSDP2Manager.maybe_compile")
         async_tp = self.config.enable_async_tensor_parallel and self.dims.tp > 1
         if async_tp:
-            _enable_async_tp(self.device_mesh)
+            self._inductor_micro_pipeline_tp.append(_enable_async_tp(self.device_mesh))
         if not (self.config.enable_compile or async_tp):
             return model
-        for fqn in discover_blocks(model) or ("",):
+        blocks = resolve_blocks(self.config.blocks, ModelIndex.build(model), "maybe_compile") if self.config.blocks else discover_blocks(model)
+        for fqn in blocks or ("",):
             model.get_submodule(fqn).compile()
         return model
 
+    def restore_async_tensor_parallel(self) -> None:
+        """Put inductor's micro-pipelined TP switch back as it was before
+        :meth:`maybe_compile` turned it on (a no-op when it did not), so
+        graphs compiled later in the process (another model, evaluation)
+        are not built for async TP. Symmetric memory, once enabled for the
+        TP group, stays enabled (torch has no way to turn it off)."""
+        import torch._inductor.config as inductor_config
 
-def _enable_async_tp(mesh: DeviceMesh) -> None:
+        while self._inductor_micro_pipeline_tp:
+            inductor_config._micro_pipeline_tp = self._inductor_micro_pipeline_tp.pop()  # type: ignore[attr-defined]
+
+    def gradient_sync_context(self, model: nn.Module, is_optimizer_step: bool) -> contextlib.AbstractContextManager[None]:
+        """:func:`gradient_sync_context` with ``defer=config.defer_fsdp_grad_sync``."""
+        return gradient_sync_context(model, is_optimizer_step, defer=self.config.defer_fsdp_grad_sync)
+
+
+def _enable_async_tp(mesh: DeviceMesh) -> bool:
+    """Turn on inductor's micro-pipelined TP; returns the value it replaced."""
+    import torch._inductor.config as inductor_config
+
+    previous: bool = inductor_config._micro_pipeline_tp
     group = tp_mesh(mesh)
-    torch._inductor.config._micro_pipeline_tp = True  # type: ignore[attr-defined]
+    inductor_config._micro_pipeline_tp = True  # type: ignore[attr-defined]
     if group is None:
-        return
+        return previous
     try:
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
@@ -283,6 +456,7 @@ def _enable_async_tp(mesh: DeviceMesh) -> None:
         enable_symm_mem_for_group(group.get_group().group_name)
     except (ImportError, RuntimeError) as e:
         logger.warning("async tensor parallel: symmetric memory not enabled for the TP group (%s)", e)
+    return previous
 
 
 @contextlib.contextmanager
@@ -295,18 +469,49 @@ def gradient_sync_context(model: nn.Module, is_optimizer_step: bool, *, defer: b
     reduce-scatter per unit instead of N. Without ``defer`` every micro-batch
     reduces (less memory, more communication). A model with no FSDP unit is
     left alone.
+
+    On exit every unit gets back the sync setting it had on entry (not
+    "on"): nested contexts then compose, and a unit whose sync the user had
+    turned off stays off. Arguments are checked before any unit changes.
     """
-    roots = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not defer or not roots:
+    require_module(model, "model", "gradient_sync_context")
+    if not isinstance(is_optimizer_step, bool):
+        raise TypeError(
+            f"gradient_sync_context: is_optimizer_step must be a bool (True on the micro-batch that ends "
+            f"the optimizer step), got {type(is_optimizer_step).__name__} {is_optimizer_step!r}"
+        )
+    if not isinstance(defer, bool):
+        raise TypeError(f"gradient_sync_context: defer must be a bool, got {type(defer).__name__} {defer!r}")
+    groups = _fsdp_param_groups(model)
+    if not defer or not groups:
         yield
         return
-    for m in roots:
-        m.set_requires_gradient_sync(is_optimizer_step, recurse=False)
+    saved = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
+    for g in groups:
+        g.reduce_grads = is_optimizer_step
+        g.all_reduce_grads = is_optimizer_step
     try:
         yield
     finally:
-        for m in roots:
-            m.set_requires_gradient_sync(True, recurse=False)
+        for g, reduce_grads, all_reduce_grads in saved:
+            g.reduce_grads = reduce_grads
+            g.all_reduce_grads = all_reduce_grads
+
+
+def _fsdp_param_groups(model: nn.Module) -> list[Any]:
+    """Each FSDP parameter group under ``model`` once (a unit spanning
+    several modules shares one state): where FSDP2 keeps the flags
+    ``set_requires_gradient_sync`` sets, ``reduce_grads`` and
+    ``all_reduce_grads``, so they can be read back and restored."""
+    seen: set[int] = set()
+    groups: list[Any] = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for g in m._get_fsdp_state()._fsdp_param_groups:
+                if id(g) not in seen:
+                    seen.add(id(g))
+                    groups.append(g)
+    return groups
 
 
 _PATCHED = "_fsdptx_unpacked"
@@ -324,13 +529,17 @@ def patch_is_packed_sequence() -> bool:
     attention would then cross sequence boundaries.
 
     Idempotent; returns whether the check is patched (False without
-    ``transformers``, where there is nothing to patch).
+    ``transformers``, or with a version that has no such check: nothing to
+    patch, so nothing is added to it).
     """
     try:
         from transformers import modeling_flash_attention_utils as fa
     except ImportError:
         return False
-    if getattr(fa._is_packed_sequence, _PATCHED, False):
+    current = getattr(fa, "_is_packed_sequence", None)
+    if current is None:
+        return False
+    if getattr(current, _PATCHED, False):
         return True
 
     def _not_packed(position_ids: object, batch_size: object) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["PRESETS", "Decoder", "DecoderConfig", "build_preset"]
+__all__ = ["PRESETS", "Decoder", "DecoderConfig", "Titan", "TitanConfig", "build_preset"]
 
 
 class RMSNorm(nn.Module):
@@ -154,7 +154,114 @@ def mixed(layers: int = 16) -> Decoder:
     )
 
 
-PRESETS: dict[str, Callable[[int], nn.Module]] = {"llama": llama, "mixed": mixed}
+@dataclass(frozen=True)
+class TitanConfig:
+    vocab: int = 512
+    dim: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    hidden: int = 128
+    layers: int = 4
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on the last dim, as interleaved pairs."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class TitanAttention(nn.Module):
+    """Grouped-query causal attention with rotary positions. Shapes are read
+    from the input and the projections' outputs (heads as ``-1``), so the
+    same code runs whole or with its heads split over TP ranks."""
+
+    def __init__(self, cfg: TitanConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.repeats = cfg.n_heads // cfg.n_kv_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        cos, sin = rope[0, :seq, None, :], rope[1, :seq, None, :]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k, v = k.repeat_interleave(self.repeats, dim=2), v.repeat_interleave(self.repeats, dim=2)
+        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self, cfg: TitanConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, cfg: TitanConfig) -> None:
+        super().__init__()
+        # Registered in torchtitan's order: regions first, norms after, so
+        # registration order is not the forward order inside a block.
+        self.attention = TitanAttention(cfg)
+        self.feed_forward = TitanFeedForward(cfg)
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=1e-5)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=1e-5)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Titan(nn.Module):
+    """A Llama 3 laid out the way torchtitan lays it out: blocks in an
+    ``nn.ModuleDict`` (``layers["0"]``), ``tok_embeddings`` / ``norm`` /
+    ``output``, rotary tables on the root, and no declaration at all (no
+    ``_no_split_modules``, no TP plan): what fsdptx must understand as it is.
+    """
+
+    def __init__(self, cfg: TitanConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(cfg) for i in range(cfg.layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=1e-5)
+        self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.register_buffer("rope", self._rope_tables(cfg), persistent=False)
+
+    @staticmethod
+    def _rope_tables(cfg: TitanConfig) -> torch.Tensor:
+        half = cfg.dim // cfg.n_heads // 2
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))
+        angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv)
+        return torch.stack((angles.cos(), angles.sin()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, self.rope)
+        return self.output(self.norm(h))
+
+
+def titan(layers: int = 16) -> Titan:
+    """torchtitan's Llama 3 layout at a small size (dim 256, as in its debug model)."""
+    return Titan(TitanConfig(vocab=2048, dim=256, n_heads=16, n_kv_heads=8, hidden=768, layers=layers))
+
+
+PRESETS: dict[str, Callable[[int], nn.Module]] = {"llama": llama, "mixed": mixed, "titan": titan}
 
 
 def build_preset(name: str, layers: int = 16) -> nn.Module:

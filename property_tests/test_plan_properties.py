@@ -28,12 +28,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
-from fsdptx.planning._apply import _check_in_full
-from fsdptx.planning._imperative import _Call, _CallMemo, _plan_call
-from fsdptx.planning._plan import DtypeRequest
-from fsdptx.planning._planner import resolve_units
-from fsdptx.planning._snapshot import vouched_modules
-from fsdptx.tp._marks import reductions_by_module
+from fsdptx.apply._apply import _check_in_full
+from fsdptx.compat._imperative import _Call, _CallMemo, _plan_call
+from fsdptx.plan._types import DtypeRequest
+from fsdptx.plan._resolve import resolve_units
+from fsdptx.plan._vouch import vouched_modules
+from fsdptx.plan._vouch import reductions_by_module
 from fsdptx.testing import fake_mesh
 from fsdptx.testing.strategies import ModuleSpec, TreeSpec, build_module, tree_specs
 

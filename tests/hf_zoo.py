@@ -62,6 +62,50 @@ def olmo2(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Modul
     return build_hf_model("olmo2", overrides, dtype=dtype, device=device)
 
 
+def deepseek_v3(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """DeepSeek-V3: MLA attention (low-rank q and kv projections, which its
+    TP plan leaves alone), layer 0 a dense MLP, layer 1 an MoE of 4 routed
+    experts (top-2) and a shared expert. Not in :data:`ZOO`: the
+    sequence-parallel tests use it for a plan that covers the MLPs only."""
+    overrides = {
+        **_DENSE,
+        "head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    }
+    return build_hf_model("deepseek_v3", overrides, dtype=dtype, device=device)
+
+
+def jamba(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Jamba, a hybrid: layer 0 a Mamba mixer with a dense MLP, layer 1
+    attention with an MoE of 4 experts; its TP plan names only the experts
+    (no torch style), so no block is tensor-parallel. Not in :data:`ZOO`."""
+    overrides = {
+        **_DENSE,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "mamba_d_state": 8,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": 8,
+    }
+    return build_hf_model("jamba", overrides, dtype=dtype, device=device)
+
+
 def qwen3_moe(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Qwen3-MoE, 4 experts (top-2) of width 32 fused in ``mlp.experts``
     (3-D ``gate_up_proj``/``down_proj``) beside the ``mlp.gate`` router. No fp32 holders."""

@@ -27,6 +27,7 @@ __all__ = [
     "Sinks",
     "TinyDecoder",
     "make_decoder",
+    "master_weights",
     "tokens",
 ]
 
@@ -151,3 +152,16 @@ def container(**children: nn.Module) -> nn.Module:
     for name, child in children.items():
         m.add_module(name, child)
     return m
+
+
+def master_weights(module: nn.Module, *suffixes: str) -> nn.Module:
+    """Record bf16 compute (``_hf_compute_dtype``, as a checkpoint load does)
+    on ``module``'s fp32 parameters whose names end with one of
+    ``suffixes``: fp32 master weights of bf16 compute. In a bf16-bulk model
+    an fp32 parameter without that record is intrinsically fp32 and
+    computes in fp32; tests of three (storage, compute) groups need the
+    third, fp32->bf16, group this way. Returns ``module``."""
+    for name, p in module.named_parameters():
+        if p.dtype == FP32 and name.endswith(suffixes):
+            p._hf_compute_dtype = BF16  # type: ignore[attr-defined]
+    return module

@@ -95,8 +95,12 @@ def test_apply_passes_mesh_and_unit_policy() -> None:
 
 def test_apply_does_not_pass_reshard_after_forward_none() -> None:
     model = make_decoder()
-    prim = record(fsdptx.plan(model, fsdptx.shard_by_dtype), model)
-    assert all("reshard_after_forward" not in kw for _, kw in prim.calls)
+    p = fsdptx.plan(model, fsdptx.shard_by_dtype)
+    prim = record(p, model)
+    holders = {u.modules for u in p.units if u.reshard_after_forward is False}
+    assert holders == {("layers.0.attn.sinks",), ("layers.1.attn.sinks",)}  # kept gathered on purpose
+    passed = [kw.get("reshard_after_forward") for _, kw in prim.calls]
+    assert passed.count(False) == len(holders) and all(v in (None, False) for v in passed)
 
 
 def test_apply_passes_explicit_reshard_after_forward() -> None:

@@ -22,9 +22,9 @@ from torch import nn
 
 import fsdptx
 from fsdptx import Plan, PlanMismatchError
-from fsdptx.planning import _apply
-from fsdptx.planning._planner import ModelIndex
-from fsdptx.planning._snapshot import vouch
+from fsdptx.apply import _apply
+from fsdptx.model._index import ModelIndex
+from fsdptx.plan._vouch import vouch
 from fsdptx.testing import mark_sharded
 
 PIPELINE = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
@@ -275,13 +275,13 @@ class ComplexBeside(nn.Module):
         self.rot.freqs = nn.Parameter(torch.randn(4, dtype=torch.complex64))
 
 
-def test_a_trainable_complex_parameter_beside_bf16_ones_is_refused_before_any_call() -> None:
+def test_a_trainable_complex_parameter_beside_bf16_ones_gets_a_unit_of_its_own() -> None:
     model = ComplexBeside()
     p = fsdptx.plan(model, fsdptx.shard_by_dtype)
     calls: list[object] = []
-    with pytest.raises(PlanMismatchError, match=r"mixes storage dtypes .*rot.freqs: complex64"):
-        fsdptx.apply_plan(p, model, MESH, shard_module=lambda t, **kw: calls.append(t))  # type: ignore[arg-type]
-    assert calls == []
+    fsdptx.apply_plan(p, model, MESH, shard_module=lambda t, **kw: calls.append(t))  # type: ignore[arg-type]
+    assert calls == [model.rot, model]
+    assert [(u.modules, u.storage_dtype) for u in p.units] == [(("rot",), torch.complex64), (("",), BF16)]
 
 
 def test_a_frozen_complex_parameter_keeps_the_vouching(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fsdptx.cli._main import main
-from fsdptx.planning._plan import Plan
+from fsdptx.plan._types import Plan
 from fsdptx.cli._report import step_traffic
 from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import build_preset
@@ -330,7 +330,7 @@ BAD_ARGUMENTS: list[tuple[Sequence[str], str]] = [
     (["--factory", "fsdptx_test_factory:missing"], "no callable 'missing'"),
     (["--factory", "fsdptx_test_factory:not_callable"], "no callable 'not_callable'"),
     (["--factory", "fsdptx_test_factory:not_a_module"], "returned int, not an nn.Module"),
-    (["--layers", "0"], "--layers must be >= 1"),
+    (["--layers", "0"], "--layers must be between 1 and"),
     (["--layers", "two"], "invalid int value"),
     (["--mp", "fp8"], "invalid choice"),
     (["--ac", "some"], "invalid choice"),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdptx.cli._main import MAX_WORLD, main
+from fsdptx.cli._main import MAX_LAYERS, MAX_WORLD, main
 
 FACTORIES = '''
 import sys
@@ -132,3 +132,24 @@ def test_subprocess_without_numpy_prints_no_warning_and_exit_codes_hold(tmp_path
     assert bad.returncode == 2
     assert bad.stdout == ""
     assert len(bad.stderr.splitlines()) == 1 and bad.stderr.startswith("fsdptx: error: ")
+
+
+def test_mesh_with_a_superscript_digit_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_line_error(capsys, "--mesh", "dp=²")
+    assert "malformed --mesh 'dp=²'" in line
+
+
+def test_layers_beyond_the_bound_are_refused_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    line = one_line_error(capsys, "--layers", "1000000")
+    assert time.perf_counter() - start < 1.0
+    assert f"--layers must be between 1 and {MAX_LAYERS:,}, got 1,000,000" in line
+
+
+def test_replicate_only_mesh_prints_whole_parameters_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--preset", "llama", "--layers", "1", "--mesh", "dp_replicate=4", "--json"]) == 0
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    assert data["units"] and all(u["bytes_per_rank"] == u["bytes"] for u in data["units"])
+    assert data["memory"]["params_bytes"] == data["model_bytes"]

@@ -132,3 +132,42 @@ def test_llama_70b_on_dp8_holds_an_eighth_of_the_model_per_rank(capsys: pytest.C
     assert re.search(r"^block\s+model\.layers\.79\s.*False", out, re.M)
     for row in ("gradients", "optimizer (adamw", "largest all-gathered unit", "peak forward", "peak backward"):
         assert f"\n  {row}" in out
+
+
+def test_typo_in_an_hf_config_key_names_the_close_match(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--hf", "llama", "--hf-config", "num_hiden_layers=2"]) == 2
+    err = capsys.readouterr().err
+    assert "has no field 'num_hiden_layers'; did you mean 'num_hidden_layers'?" in err
+
+
+def test_negative_layer_count_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--hf", "llama", "--hf-config", "num_hidden_layers=-1"]) == 2
+    assert "num_hidden_layers must be >= 1" in capsys.readouterr().err
+
+
+def test_build_hf_model_names_overrides_of_the_wrong_type() -> None:
+    from fsdptx.hf import build_hf_model
+
+    with pytest.raises(TypeError, match="build_hf_model: overrides must be a mapping"):
+        build_hf_model("llama", "hidden_size=32")  # type: ignore[arg-type]
+
+
+def test_build_hf_model_refuses_a_typo_in_a_config_key() -> None:
+    from fsdptx.hf import build_hf_model
+
+    with pytest.raises(ValueError, match="did you mean 'num_hidden_layers'"):
+        build_hf_model("llama", {"num_hiden_layers": 2})
+
+
+def test_stock_bert_lm_head_model_plans(capsys: pytest.CaptureFixture[str]) -> None:
+    config = "is_decoder=true,num_hidden_layers=2,hidden_size=32,intermediate_size=64,num_attention_heads=4,vocab_size=64"
+    assert main(["plan", "--hf", "bert", "--hf-config", config, "--mesh", "dp=2"]) == 0
+    assert "BertLMHeadModel" in capsys.readouterr().out
+
+
+def test_selective_checkpointing_dry_run_of_an_hf_model_turns_the_cache_off_and_plans(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = "num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=4,vocab_size=128"
+    assert main(["plan", "--hf", "llama", "--hf-config", config, "--ac", "selective", "--mesh", "dp=2"]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out

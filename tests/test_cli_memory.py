@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from fsdptx.cli import _main as _cli
+from fsdptx.cli import _run as _cli  # the dry run reads its apply budget there
 from fsdptx.cli._main import main, param_shards
-from fsdptx.planning._plan import Plan
+from fsdptx.plan._types import Plan
 from fsdptx.cli._report import OPTIMIZER_STATES, ParamShard, local_shape, memory_plan
 from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import Decoder, DecoderConfig

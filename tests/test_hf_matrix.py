@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 import hf_zoo  # noqa: E402
 
 import fsdptx  # noqa: E402
-from fsdptx.planning._planner import ModelIndex  # noqa: E402
+from fsdptx.model._index import ModelIndex  # noqa: E402
 from fsdptx.testing import fake_mesh  # noqa: E402
 
 PLANNABLE = sorted(n for n in hf_zoo.ZOO if n != "kimi_linear")
@@ -142,18 +142,22 @@ def test_sequence_parallelism_leaves_a_stack_without_tp_alone() -> None:
     assert "model.language_model.layers.0.input_layernorm" in modules
 
 
-def test_moe_experts_that_sequence_parallelism_marks_sum_but_the_plan_excludes_are_refused_at_planning() -> None:
+def test_moe_experts_left_whole_by_the_tp_plan_run_on_the_whole_sequence_under_sequence_parallelism() -> None:
     """Qwen3-MoE's experts stay whole on every TP rank (``moe_tp_experts``
-    has no torch style) and, under SP, see only their rank's tokens: their
-    gradients would need a TP sum, which the expert exclusion would
-    silently skip, so the replicas would drift apart."""
+    has no torch style). Under SP their MoE block is handed the whole
+    sequence and slices its output back, so every TP rank computes the same
+    expert gradients: no TP ``sum`` is needed for them, and the expert
+    exclusion (a ``moe_mesh``) costs nothing. They used to see only their
+    rank's tokens, which needed a sum the exclusion skipped."""
     from torch.distributed.device_mesh import DeviceMesh
 
     model = hf_zoo.ZOO["qwen3_moe"]("meta")
     with fake_mesh((2, 2), ("dp", "tp")) as mesh:
         moe = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("ep_shard", "tp"))
-        manager = fsdptx.FSDP2Manager(fsdptx.FSDP2Config(sequence_parallel=True), mesh, moe_mesh=moe)
-        with pytest.raises(fsdptx.PlanningError, match=r"'model\.layers\.0\.mlp\.experts'.*sequence_parallel=False"):
-            manager.plan(model)
-        without_sp = fsdptx.FSDP2Manager(fsdptx.FSDP2Config(), mesh, moe_mesh=moe).plan(model)
-    assert "model.layers.0.mlp.experts" in without_sp.exclusions
+        p = fsdptx.FSDP2Manager(fsdptx.FSDP2Config(sequence_parallel=True), mesh, moe_mesh=moe).plan(model)
+    assert p.tensor_parallel is not None
+    styles = {a.module: a.style for a in p.tensor_parallel.assignments}
+    assert styles["model.layers.0.mlp"] == "whole_sequence (sp)"
+    assert styles["model.layers.0.self_attn"] == "gather_sequence (sp)"
+    assert "model.layers.0.mlp.experts" in p.exclusions
+    assert not [k for k in p.reductions if ".mlp." in k]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import BF16, DIM, FP32, Block, CastLinear, Mlp, make_decoder
+from models import BF16, DIM, FP32, Block, CastLinear, Mlp, make_decoder, master_weights
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 import fsdptx
-from fsdptx.planning import _imperative as imperative
+from fsdptx.compat import _imperative as imperative
 from fsdptx.testing import fake_mesh, mark_sharded
 
 BF16_POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, output_dtype=BF16)
@@ -97,8 +97,10 @@ def test_by_dtype_two_groups_shard_minority_subtrees_then_the_module() -> None:
 
 
 def test_by_dtype_two_groups_give_children_internal_policy_and_module_the_callers() -> None:
-    block = Block()
-    # Without pinning, sinks and gate are fp32 master weights computing in bf16.
+    # Without pinning, and recorded as computing in bf16, sinks and gate are
+    # fp32 master weights (unrecorded, in this bf16-bulk block they would
+    # be intrinsically fp32).
+    block = master_weights(Block(), "sinks.weight", "gate.proj.weight")
     prim = by_dtype(block, BF16_POLICY)
     policies = [kw["mp_policy"] for _, kw in prim.calls]
     assert prim.targets() == [block.attn.sinks, block.gate, block]
@@ -107,7 +109,7 @@ def test_by_dtype_two_groups_give_children_internal_policy_and_module_the_caller
 
 
 def test_by_dtype_three_groups_shard_every_maximal_uniform_subtree() -> None:
-    block = Block()
+    block = master_weights(Block(), "gate.proj.weight")
     prim = by_dtype(block, BF16_POLICY, fp32_names=("sinks",))
     assert prim.targets() == [block.attn.o, block.attn.q, block.attn.sinks, block.gate, block.mlp]  # FQN order
 
@@ -179,7 +181,7 @@ def test_by_dtype_raises_naming_every_directly_mixed_param_before_any_call() -> 
 
 
 def test_by_dtype_with_real_fully_shard_makes_each_unit_an_fsdp_module() -> None:
-    block = Block()
+    block = master_weights(Block(), "gate.proj.weight")
     with fake_mesh((2,), ("dp",)) as mesh:
         fsdptx.fully_shard_by_dtype(block, mesh, BF16_POLICY, None, ("sinks",))
         sharded = {f for f, m in block.named_modules() if isinstance(m, FSDPModule)}

@@ -484,8 +484,9 @@ def test_head_counts_are_not_checked_when_the_plan_shards_only_the_embedding_and
     assert isinstance(model.lm_head.weight, DTensor)
 
 
-def test_unknown_style_name_fails_before_mutation() -> None:
-    _parallelize_fails(_decoder(), (2, 2), ("dp", "tp"), "diagonal", tp_plan={"lm_head": "diagonal"})
+def test_unknown_style_name_fails_at_config_construction() -> None:
+    with pytest.raises(ValueError, match="unknown style 'diagonal'"):
+        FSDP2Config(tp_plan={"lm_head": "diagonal"})
 
 
 def test_unknown_mesh_dim_name_fails_at_manager_construction() -> None:

@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 import torch
-from models import BF16, DIM, FP32, CastLinear, make_decoder
+from models import BF16, DIM, FP32, CastLinear, make_decoder, master_weights
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
-from fsdptx.planning import _planner as planner
-from fsdptx.planning._planner import ModelIndex
+from fsdptx.plan import _resolve as planner
+from fsdptx.model._index import ModelIndex
 from fsdptx.testing import fake_mesh, mark_sharded
 
 POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
@@ -220,7 +220,7 @@ def test_direct_parameter_plan_runs_forward_and_backward_on_fake_mesh() -> None:
 def test_mixer_with_fp32_direct_params_in_a_three_group_block_gets_its_own_unit() -> None:
     # bf16 projections, fp32->fp32 mixer params, an fp32 master-weight gate
     # computing in bf16: three groups.
-    block = tree(mixer=Mixer(), gate=leaf(FP32, 2))
+    block = tree(mixer=Mixer(), gate=master_weights(leaf(FP32, 2), "w0", "w1"))
     model = tree(layers=nn.ModuleList([block]))
     p = fsdptx.plan(model, PIPELINE, mp_policy=POLICY)
     assert units_of(p) == [
@@ -282,7 +282,7 @@ def test_module_mixing_groups_directly_raises_naming_each_parameter_and_the_fix(
     with pytest.raises(PlanningError) as info:
         fsdptx.plan(model, PIPELINE, mp_policy=POLICY)
     message = str(info.value)
-    assert "layers.0.forget_gate.dt_bias (float32->bfloat16)" in message
+    assert "layers.0.forget_gate.dt_bias (float32->float32)" in message  # intrinsic fp32 in a bf16-bulk model
     assert "layers.0.forget_gate.A_log (bfloat16->bfloat16)" in message
     assert "Split the module" in message and "ignored_params" not in message
 

@@ -16,9 +16,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdptx import apply_plan
 from fsdptx.cli._main import DEFAULT_PIPELINE
-from fsdptx.planning._plan import Plan
+from fsdptx.plan._types import Plan
 from fsdptx.cli._report import UnitTraffic, step_traffic
-from fsdptx.planning._transforms import plan
+from fsdptx.plan._transforms import plan
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import Collective, fake_mesh, record_collectives
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 
 from fsdptx import Plan, PlanningError, compose, mark_reduction, plan, shard_by_dtype, tensor_parallel
 from fsdptx.presets import Decoder, DecoderConfig
-from fsdptx.tp import GatherSequence, ShardSequence
+from fsdptx.tp import GatherSequence, ShardSequence, WholeSequence
 
 LAYERS = 3
 
@@ -109,8 +109,10 @@ def test_style_names_map_to_torch_styles_with_the_documented_layouts(name: str) 
     assert _layouts(_styles(_tp(_decoder(), plan={fqn: name}))[fqn]) == want
 
 
-# Sequence parallelism needs a TP block stack to shard the sequence for.
-_A_STACK = {"layers.*.mlp.down_proj": "rowwise"}
+# Sequence parallelism's layouts of a projection depend on its region: in
+# a region whose projections are all tensor-parallel (the blocks' own plan
+# here), rowwise outputs are reduce-scattered onto the sequence.
+_A_STACK = {k: v for k, v in Decoder(DecoderConfig(vocab=64, dim=32, hidden=64, layers=1))._tp_plan.items() if k.startswith("layers")}
 _SP: dict[str, tuple[str, tuple[type, tuple[Any, ...], tuple[Any, ...]]]] = {
     "rowwise": ("layers.0.attn.o_proj", (RowwiseParallel, (Shard(-1),), (Shard(1),))),
     "colwise_rep": ("lm_head", (ColwiseParallel, (Shard(1),), (Replicate(),))),
@@ -121,16 +123,19 @@ _SP: dict[str, tuple[str, tuple[type, tuple[Any, ...], tuple[Any, ...]]]] = {
 @pytest.mark.parametrize("name", list(_SP))
 def test_sequence_parallel_variants_put_the_stream_on_the_sequence_dim(name: str) -> None:
     fqn, want = _SP[name]
-    sp_plan = {**_A_STACK, fqn: name}
+    sp_plan = {**{k: v for k, v in _A_STACK.items() if k != fqn.replace(".0.", ".*.")}, fqn: name}
     assert _layouts(_styles(_tp(_decoder(), plan=sp_plan, sequence_parallel=True))[fqn]) == want
 
 
-def test_under_sequence_parallelism_the_embedding_returns_the_whole_sequence() -> None:
-    """Models derive positions (rotary tables, masks) from the embedding
-    output's length, so it stays whole; the first block slices it."""
+def test_under_sequence_parallelism_the_embedding_reduce_scatters_onto_the_sequence_as_a_dtensor() -> None:
+    """As torchtitan's embedding does (a reduce-scatter, not an all-reduce
+    and a slice); handed on as a DTensor because models derive positions
+    (rotary tables, masks) from the embedding output's length, which a
+    DTensor reports whole."""
     sp_plan = {**_A_STACK, "embed_tokens": "embedding_rowwise"}
     style = _styles(_tp(_decoder(), plan=sp_plan, sequence_parallel=True))["embed_tokens"]
-    assert _layouts(style) == (RowwiseParallel, (Replicate(),), (Replicate(),))
+    assert _layouts(style) == (RowwiseParallel, (Replicate(),), (Shard(1),))
+    assert not style.use_local_output  # type: ignore[attr-defined]
 
 
 def test_under_sequence_parallelism_the_first_block_keeps_its_slice_of_the_sequence() -> None:
@@ -360,15 +365,23 @@ def test_under_sequence_parallelism_a_gathered_output_head_still_takes_the_seque
     assert isinstance(head, ColwiseParallel) and head.input_layouts == (Shard(1),)
 
 
-def test_sequence_parallelism_without_a_tp_block_stack_is_an_error_naming_what_the_plan_covers() -> None:
-    """Nothing would shard the sequence, yet the head would read its whole
-    input as one rank's slice (GPT-OSS's declared plan: logits for twice
-    the tokens)."""
+def test_sequence_parallelism_without_tp_in_the_blocks_runs_each_region_on_the_whole_sequence() -> None:
+    """A plan of embedding and head only (GPT-OSS's, Falcon-H1's): the
+    blocks still run on the sequence shard (norms and residual stream),
+    each attention and MLP is handed the whole sequence and slices its
+    output back, and the head reads the shard the stream ends on."""
     only_ends = {"embed_tokens": "embedding_rowwise", "lm_head": "colwise_rep"}
-    with pytest.raises(PlanningError, match=r"no block stack.*'embed_tokens', 'lm_head'.*sequence_parallel=False"):
-        _tp(_decoder(), plan=only_ends, sequence_parallel=True)
-    with pytest.raises(PlanningError, match="no block stack"):
-        _tp(_decoder(), plan={}, sequence_parallel=True)
+    for plan_ in (only_ends, {}):
+        p = _tp(_decoder(), plan=plan_, sequence_parallel=True)
+        styles, names = _styles(p), _names(p)
+        assert isinstance(styles["layers.0"], ShardSequence)
+        for i in range(LAYERS):
+            assert isinstance(styles[f"layers.{i}.attn"], WholeSequence)
+            assert isinstance(styles[f"layers.{i}.mlp"], WholeSequence)
+            assert names[f"layers.{i}.attn_norm"] == "sequence_parallel (sp)"
+        head = styles["lm_head"]
+        assert head.input_layouts == (Shard(1),)  # type: ignore[attr-defined]
+        assert not any(k.startswith("layers") and v == "sum" for k, v in p.reductions.items())
 
 
 def test_under_sequence_parallelism_a_head_outside_the_plan_gets_the_gathered_sequence_as_a_plain_tensor() -> None:

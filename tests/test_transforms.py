@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import pytest
 import torch
-from models import BF16, DIM, FP32, CastLinear, TinyDecoder, make_decoder
+from models import BF16, DIM, FP32, CastLinear, TinyDecoder, make_decoder, master_weights
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
@@ -101,12 +101,15 @@ def test_shard_by_dtype_bare_pins_fp32_compute_from_keep_in_fp32_modules_strict(
     sinks = unit_for(p, "layers.0.attn.sinks")
     gate = unit_for(p, "layers.0.gate")
     assert (sinks.storage_dtype, sinks.compute_dtype) == (FP32, FP32)
-    assert (gate.storage_dtype, gate.compute_dtype) == (FP32, BF16)
+    assert not any("intrinsic" in r for r in sinks.reasons)  # pinned, not decided by the bulk
+    # Not pinned, but fp32 in a bf16-bulk model: intrinsic, computes in fp32.
+    assert (gate.storage_dtype, gate.compute_dtype) == (FP32, FP32)
+    assert "fp32: intrinsic, bfloat16 bulk" in gate.reasons
 
 
 def test_shard_by_dtype_option_fp32_compute_module_names_overrides_model_declaration() -> None:
     transform = functools.partial(fsdptx.shard_by_dtype, fp32_compute_module_names=("gate",))
-    p = fsdptx.plan(make_decoder(), transform, mp_policy=BF16_POLICY)
+    p = fsdptx.plan(master_weights(make_decoder(), "sinks.weight", "gate.proj.weight"), transform, mp_policy=BF16_POLICY)
     assert unit_for(p, "layers.0.gate").compute_dtype == FP32
     assert unit_for(p, "layers.0.attn.sinks").compute_dtype == BF16
 
@@ -126,7 +129,9 @@ def test_shard_by_dtype_reshard_after_forward_comes_from_plan_default() -> None:
 def test_shard_by_dtype_option_reshard_after_forward_overrides_plan_default() -> None:
     transform = functools.partial(fsdptx.shard_by_dtype, reshard_after_forward=2)
     p = fsdptx.plan(make_decoder(), transform, reshard_after_forward=False)
-    assert {u.reshard_after_forward for u in p.units} == {2}
+    holders = [u for u in p.units if "gathered: holder may return its parameter" in u.reasons]
+    assert holders and all(u.reshard_after_forward is False for u in holders)  # correctness beats the option
+    assert {u.reshard_after_forward for u in p.units if u not in holders} == {2}
 
 
 def test_shard_by_dtype_option_ignored_params_are_owned_by_no_unit() -> None:
@@ -177,7 +182,9 @@ def test_two_dtype_groups_minority_may_be_the_low_precision_group() -> None:
 
 def test_three_dtype_groups_shard_every_maximal_uniform_subtree() -> None:
     p = fsdptx.plan(
-        make_decoder(1), functools.partial(fsdptx.shard_by_dtype, blocks=["layers.0"]), mp_policy=BF16_POLICY
+        master_weights(make_decoder(1), "gate.proj.weight"),
+        functools.partial(fsdptx.shard_by_dtype, blocks=["layers.0"]),
+        mp_policy=BF16_POLICY,
     )
     # bf16 linears, fp32->fp32 sinks, fp32->bf16 gate: attn is mixed, mlp is uniform.
     assert sorted(dtype_units_on(p, "layers.0")) == [
@@ -190,14 +197,14 @@ def test_three_dtype_groups_shard_every_maximal_uniform_subtree() -> None:
 
 
 def test_three_dtype_groups_give_the_block_no_unit_when_nothing_is_left_to_it() -> None:
-    p = fsdptx.plan(make_decoder(1), fsdptx.shard_by_dtype, mp_policy=BF16_POLICY)
+    p = fsdptx.plan(master_weights(make_decoder(1), "gate.proj.weight"), fsdptx.shard_by_dtype, mp_policy=BF16_POLICY)
     assert [u for u in p.units if u.kind == "block"] == []
 
 
 def test_three_dtype_groups_keep_target_unit_when_it_must_hold_ignored_params() -> None:
     # attn.q holds only the ignored weight, so no child unit reaches it: the block must.
     transform = functools.partial(fsdptx.shard_by_dtype, ignored_params=["layers.0.attn.q.weight"])
-    p = fsdptx.plan(make_decoder(1), transform, mp_policy=BF16_POLICY)
+    p = fsdptx.plan(master_weights(make_decoder(1), "gate.proj.weight"), transform, mp_policy=BF16_POLICY)
     block = unit_for(p, "layers.0")
     assert block.kind == "block" and block.params == () and block.ignored_params == ("layers.0.attn.q.weight",)
 
@@ -228,7 +235,7 @@ def test_fp32_dtype_child_policy_reduces_in_fp32_and_does_not_cast_inputs() -> N
 
 def test_low_precision_dtype_child_policy_keeps_callers_reduce_and_input_cast() -> None:
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, output_dtype=BF16)
-    p = fsdptx.plan(make_decoder(1), fsdptx.shard_by_dtype, mp_policy=policy)
+    p = fsdptx.plan(master_weights(make_decoder(1), "gate.proj.weight"), fsdptx.shard_by_dtype, mp_policy=policy)
     gate = unit_for(p, "layers.0.gate").mp_policy
     assert gate == MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, output_dtype=None, cast_forward_inputs=True)
 
@@ -446,7 +453,9 @@ def test_plan_is_immutable() -> None:
 
 
 def test_str_plan_has_one_row_per_unit_with_storage_to_compute() -> None:
-    p = fsdptx.plan(make_decoder(), fsdptx.compose(*PIPELINE_PARTS), mp_policy=BF16_POLICY)
+    p = fsdptx.plan(
+        master_weights(make_decoder(), "gate.proj.weight"), fsdptx.compose(*PIPELINE_PARTS), mp_policy=BF16_POLICY
+    )
     text = str(p)
     rows = [line for line in text.splitlines() if line.split()[0].isdigit() and "->" in line]
     assert len(rows) == len(p.units)
@@ -528,7 +537,7 @@ def test_module_mixing_trainable_dtypes_directly_raises_naming_every_such_parame
     with pytest.raises(PlanningError) as info:
         fsdptx.plan(model, fsdptx.shard_by_dtype, mp_policy=BF16_POLICY)
     message = str(info.value)
-    assert "layers.1.attn.bias_fp32 (float32->bfloat16)" in message
+    assert "layers.1.attn.bias_fp32 (float32->float32)" in message  # intrinsic fp32 in a bf16-bulk model
     assert "layers.1.attn.scale_bf16 (bfloat16->bfloat16)" in message
     assert "'layers.1'" in message and "Split the module" in message
 
@@ -537,6 +546,7 @@ def test_fp32_params_directly_on_block_and_attention_get_units_of_their_own() ->
     model = make_decoder()
     model.layers[1].scale = param(DIM, dtype=FP32)
     model.layers[1].attn.bias_fp32 = param(DIM, dtype=FP32)
+    master_weights(model, "gate.proj.weight", "scale", "bias_fp32")
     p = fsdptx.plan(model, fsdptx.shard_by_dtype, mp_policy=BF16_POLICY)
     assert unit_for(p, "layers.1.attn").params == ("layers.1.attn.bias_fp32",)
     assert unit_for(p, "layers.1").params == ("layers.1.scale",)

@@ -40,7 +40,7 @@ from typing import Any
 
 from torch import nn
 
-from ..planning._plan import Plan
+from ..plan._types import Plan
 from ._memory import Trace, disable_kv_cache, rescale, steady_bytes, traced_steady
 from ._report import ParamShard, step_traffic
 
@@ -246,7 +246,7 @@ def evaluate(
 
 def shards_for(model: nn.Module, plan: Plan, dims: Any) -> Callable[[int], dict[str, ParamShard]]:
     """Rank 0's shards of ``model`` (TP applied) for any FSDP shard count."""
-    from ._main import param_shards
+    from ._common import param_shards
 
     def at(dp_shard: int) -> dict[str, ParamShard]:
         return param_shards(model, plan, dataclasses.replace(dims, dp_shard=dp_shard), fsdp_applied=False)
@@ -293,7 +293,7 @@ def search(
     Returns:
         A :class:`FitResult`.
     """
-    from ._main import dry_run
+    from ._run import dry_run
 
     if layers is not None and layers > TRACE_LAYERS:
         counts: tuple[int | None, ...] = (TRACE_LAYERS - 1, TRACE_LAYERS)
@@ -340,7 +340,8 @@ def run_fit(args: Any) -> str:
     import json
 
     from ..manager import FSDP2Config
-    from ._main import UsageError, _batch_seq, build_model, fmt_bytes, mp_policy
+    from ._common import UsageError, fmt_bytes, mp_policy
+    from ._run import _batch_seq, build_model
 
     try:
         gpus, budget = parse_fit(args.fit)

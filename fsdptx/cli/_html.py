@@ -51,7 +51,7 @@ def _x(index: int, last: int) -> float:
 
 
 def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], peak_at: str) -> str:
-    from ._main import fmt_bytes
+    from ._common import fmt_bytes
 
     last = max([s.index for s in samples] + [c.index for c in collectives] + [1])
     top = max((s.total for s in samples), default=1) or 1
@@ -129,7 +129,7 @@ def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], pe
 
 
 def _table(data: dict[str, Any]) -> str:
-    from ._main import _rows, fmt_bytes
+    from ._common import _rows, fmt_bytes
 
     head = ("units", "kind", "storage->compute", "params/rank", "gathered", "reshard", "AG", "RS")
     rows = []
@@ -197,7 +197,7 @@ def render_html(data: dict[str, Any], samples: Sequence[Sample], collectives: Se
     Returns:
         The whole HTML document.
     """
-    from ._main import fmt_bytes
+    from ._common import fmt_bytes
 
     m = data["memory"]
     last = max([s.index for s in samples] + [c.index for c in collectives] + [1])
@@ -233,7 +233,7 @@ def render_html(data: dict[str, Any], samples: Sequence[Sample], collectives: Se
 
 def write_html(path: str, data: dict[str, Any], run: Any) -> None:
     """Write :func:`render_html` of a dry run that traced its step to ``path``."""
-    from ._main import UsageError
+    from ._common import UsageError
 
     if run.trace is None:
         raise UsageError("--html needs a traced step; this dry run traced none")

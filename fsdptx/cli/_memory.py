@@ -301,10 +301,10 @@ def _tp_replica_sync(tracker: _StepTracker, model: nn.Module, mesh: DeviceMesh) 
     fake mode (it reads data-dependent shapes), estimate it: one all-reduce
     of every TP-replicated gradient in its reduce dtype, through buffers of
     at most ``DEFAULT_MAX_BUFFER_BYTES``; returns the note saying so."""
-    from .._chunks import DEFAULT_MAX_BUFFER_BYTES
-    from .._dtypes import gradient_reduce_dtype
+    from ..core._chunks import DEFAULT_MAX_BUFFER_BYTES
+    from ..core._dtypes import gradient_reduce_dtype
     from ..tp._replicas import synchronize_tp_replica_gradients
-    from ._main import _tp_dim
+    from ._common import _tp_dim
 
     try:
         synchronize_tp_replica_gradients([model], mesh)
@@ -523,7 +523,7 @@ def estimate_memory(
     Returns:
         A :class:`MemoryEstimate` for rank 0.
     """
-    from ._main import param_shards
+    from ._common import param_shards
 
     if batch < 1 or seq < 1:
         raise ValueError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
@@ -565,7 +565,7 @@ def disable_kv_cache(model: nn.Module) -> list[str]:
 def traced(model: nn.Module, plan: Any, applied: str, batch_seq: tuple[int, int], mesh: DeviceMesh) -> Trace:
     """:func:`trace_step` for the dry run, which has applied ``plan``
     (``applied == "full"``) on the current fake mesh."""
-    from ._main import APPLY_BUDGET, UsageError
+    from ._common import APPLY_BUDGET, UsageError
 
     if applied != "full":
         raise UsageError(
@@ -594,7 +594,7 @@ def memory_json(trace: Trace, shards: Mapping[str, ParamShard], optimizer: str) 
 
 def memory_text(m: Mapping[str, Any]) -> list[str]:
     """The lines of the text report for the traced figures of ``memory_json``."""
-    from ._main import fmt_bytes
+    from ._common import fmt_bytes
 
     breakdown = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(m["peak_breakdown"].items(), key=lambda kv: -kv[1]))
     comm = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in m["collective_bytes"].items()) or "none"

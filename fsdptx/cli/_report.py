@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..planning._plan import Plan, Unit, reshards_after_forward
+from ..plan._types import Plan, Unit, reshards_after_forward
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -240,7 +240,7 @@ def memory_plan(
     (``cp`` folded in, ``dp_replicate`` not: replicas hold the same shard).
     See :class:`MemoryPlan` for what is and is not counted.
     """
-    from ..planning._refine import block_units  # local: _refine imports the planner
+    from ..plan._refine import block_units  # local: _refine imports the planner
 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")

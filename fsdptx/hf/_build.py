@@ -49,6 +49,8 @@ def _config(transformers: ModuleType, source: str, overrides: Mapping[str, objec
     """
     if os.path.exists(source):
         path = os.path.dirname(source) if os.path.isfile(source) else source
+        base = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        _check_overrides(base, overrides)
         return transformers.AutoConfig.from_pretrained(path, local_files_only=True, **overrides)
     known = list(transformers.models.auto.configuration_auto.CONFIG_MAPPING.keys())
     if source not in known:
@@ -58,7 +60,41 @@ def _config(transformers: ModuleType, source: str, overrides: Mapping[str, objec
             f"unknown model type {source!r} for transformers {transformers.__version__}{hint}."
             " Pass a model type (config.model_type) or the path of a local config.json"
         )
+    _check_overrides(transformers.AutoConfig.for_model(source), overrides)
     return transformers.AutoConfig.for_model(source, **overrides)
+
+
+def _check_overrides(base: object, overrides: Mapping[str, object]) -> None:
+    """Refuse an override that looks like a typo of a field the config has
+    (``num_hiden_layers``: it would become a stray attribute and the model
+    be built with the default), naming the close match; and a count or size
+    (``num_*``, ``*_size``) given below 1 where the config's default is
+    positive (``-1`` layers builds an empty model that plans "successfully").
+
+    A key with no close match is accepted: modeling code reads optional
+    fields the config class does not declare (``head_dim`` on some
+    architectures) with ``getattr``."""
+    defaults = base.to_dict()  # type: ignore[attr-defined]
+    known = sorted({*defaults, *getattr(base, "attribute_map", {})})
+    for key, value in overrides.items():
+        if key not in known and not hasattr(base, key):
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+            if close:
+                raise ValueError(
+                    f"{type(base).__name__} has no field {key!r}; did you mean {close[0]!r}? "
+                    f"(overrides={{{key!r}: {value!r}}})"
+                )
+            continue
+        default = getattr(base, key, None)
+        if (
+            (key.startswith("num_") or key.endswith("_size"))
+            and type(default) is int
+            and default >= 1
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and value < 1
+        ):
+            raise ValueError(f"{type(base).__name__}.{key} must be >= 1 (default {default}), got {value}")
 
 
 def _model_class(transformers: ModuleType, config: object) -> type[nn.Module]:
@@ -135,8 +171,22 @@ def build_hf_model(
     fp32 by a strict or extra token is marked ``_hf_compute_dtype = float32``.
 
     Raises ``ImportError`` without transformers, ``ValueError`` for an unknown
-    model type (listing close matches).
+    model type (listing close matches), an override the config does not
+    know (naming the close match) or a count/size override below 1, and
+    ``TypeError`` for ``overrides`` that is not a mapping.
     """
+    if not isinstance(model_type_or_config_path, str):
+        raise TypeError(
+            f"build_hf_model: model_type_or_config_path must be a str, got {type(model_type_or_config_path).__name__}"
+        )
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(
+            f"build_hf_model: overrides must be a mapping of config field -> value "
+            f"(e.g. {{'hidden_size': 32}}), got {type(overrides).__name__} {overrides!r}"
+        )
+    bad_keys = [k for k in overrides or {} if not isinstance(k, str)]
+    if bad_keys:
+        raise TypeError(f"build_hf_model: overrides keys must be config field names (str), got {bad_keys!r}")
     transformers = require_transformers()
     extra = _names(keep_in_fp32, "keep_in_fp32")
     config = _config(transformers, model_type_or_config_path, dict(overrides or {}))

@@ -8,5 +8,15 @@ from ._collectives import Collective, record_collectives
 from ._gloo import DistributedTestError, free_port, run_distributed
 from ._mesh import fake_mesh
 from ._primitives import mark_sharded
+from ._replicas import assert_replicas_in_sync
 
-__all__ = ["Collective", "DistributedTestError", "fake_mesh", "free_port", "mark_sharded", "record_collectives", "run_distributed"]
+__all__ = [
+    "Collective",
+    "DistributedTestError",
+    "assert_replicas_in_sync",
+    "fake_mesh",
+    "free_port",
+    "mark_sharded",
+    "record_collectives",
+    "run_distributed",
+]

@@ -3,16 +3,19 @@ it understands (``_styles``, ``_transform``), the TP-replica marks
 (``_marks``) and the replica broadcast and gradient synchronization
 (``_replicas``)."""
 
-from ._styles import STYLE_NAMES, GatherSequence, ShardSequence, describe_style
+from ._styles import STYLE_NAMES, GatherSequence, ShardSequence, WholeSequence, describe_style
+from ._loss import loss_parallel
 from ._transform import check_tensor_parallel, declared_tp_plan, tensor_parallel, tp_styles_by_module
 
 __all__ = [
     "STYLE_NAMES",
     "GatherSequence",
     "ShardSequence",
+    "WholeSequence",
     "check_tensor_parallel",
     "declared_tp_plan",
     "describe_style",
+    "loss_parallel",
     "tensor_parallel",
     "tp_styles_by_module",
 ]

@@ -13,7 +13,9 @@ from types import MappingProxyType
 
 from torch import nn
 
-from ..planning._plan import REDUCTIONS, Reduction
+from ..core._args import require_module
+from ..plan._types import REDUCTIONS, Reduction
+from ..plan._vouch import reductions_by_module  # noqa: F401  (moved there; kept importable here)
 
 __all__ = [
     "exclude_from_tp_replica_sync",
@@ -60,21 +62,11 @@ def mark_tp_replica_gradient_reduction(module: nn.Module, reduction: Reduction) 
     (e.g. a router that sees only its sequence shard), so the parts are added.
     Unmarked replicated parameters use ``"mean"``.
     """
+    require_module(module, "module", "mark_tp_replica_gradient_reduction")
     check_reduction(reduction, f"mark_tp_replica_gradient_reduction({type(module).__name__})")
     mark_parameter_reductions(
         module, {name: reduction for name, p in module._parameters.items() if p is not None}
     )
-
-
-def reductions_by_module(reductions: Mapping[str, Reduction]) -> dict[str, dict[str, Reduction]]:
-    """A plan's marks (parameter FQN -> reduction) grouped by the FQN of the
-    module holding each parameter, by the parameter's local name: what
-    :func:`mark_parameter_reductions` takes, once per module."""
-    by_module: dict[str, dict[str, Reduction]] = {}
-    for fqn, reduction in reductions.items():
-        module_fqn, _, name = fqn.rpartition(".")
-        by_module.setdefault(module_fqn, {})[name] = reduction
-    return by_module
 
 
 def mark_parameter_reductions(module: nn.Module, reductions: Mapping[str, Reduction]) -> None:
@@ -105,6 +97,7 @@ def exclude_from_tp_replica_sync(module: nn.Module) -> None:
     replicas, even though nothing in their type says so. Neither their
     parameters nor their buffers are broadcast or reduced.
     """
+    require_module(module, "module", "exclude_from_tp_replica_sync")
     _set(module, _EXCLUDE_ATTR, True)
 
 

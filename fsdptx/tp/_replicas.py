@@ -23,11 +23,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
-from .._dtypes import gradient_reduce_dtype
+from ..core._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
+from ..core._dtypes import gradient_reduce_dtype
 from ._marks import is_excluded_from_tp_replica_sync, marks_generation, module_reductions
-from ..planning._plan import Reduction
-from .._tree import rank_stable_unique
+from ..plan._types import Reduction
+from ..core._tree import rank_stable_unique
 
 __all__ = ["broadcast_tp_replicas", "is_tp_replicated", "synchronize_tp_replica_gradients"]
 

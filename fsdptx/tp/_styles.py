@@ -1,40 +1,57 @@
-"""Tensor-parallel style names and their torch equivalents.
+"""Tensor-parallel style names, their torch equivalents, and the three
+boundary styles sequence parallelism adds where a plan leaves a gap.
 
 Hugging Face models declare TP plans as ``{module glob: style name}``; fsdptx
-applies them with torch's own ``parallelize_module`` and styles, so every TP
-module is torch's. A name maps to a torch ``ParallelStyle`` for the plain
-layout and another for sequence parallelism, where the residual stream
-between blocks is sharded on the sequence dim (``Shard(1)``):
+applies them with torch's own ``parallelize_module`` and styles. A name does
+not fix a layout by itself: which sequence layout a projection takes or
+gives depends on where it sits on the residual stream (see
+:mod:`fsdptx.tp._layout`), so :func:`style_for` builds the torch style for a
+name from the layouts the sequence-layout pass decides:
 
-- ``colwise``: the output features are sharded; the input is replicated.
-  Under SP the input arrives as ``Shard(1)``; the all-gather happens once at
-  the enclosing module's boundary (see :class:`GatherSequence`), not once per
-  projection, and so that a module that reshapes by its input's sequence
-  length (Hugging Face attention) sees the whole sequence.
-- ``rowwise``: the input features are sharded and the partial outputs are
-  all-reduced; under SP they are reduce-scattered onto the sequence instead.
-- ``colwise_rep`` (``colwise_gather_output``): colwise whose output is
-  gathered (a replicated LM head).
+- ``colwise``: output features sharded (``Shard(-1)``, a local tensor); the
+  input is whatever the position hands it (the whole sequence inside a
+  gathered region, ``Shard(1)`` on the stream).
+- ``colwise_rep`` (``colwise_gather_output``): colwise whose output features
+  are gathered back (a replicated LM head, Olmo2's q/k/v).
+- ``rowwise``: input features sharded, partial outputs all-reduced to the
+  whole sequence, or reduce-scattered onto it (``Shard(1)``) under sequence
+  parallelism; on an embedding, a vocabulary-sharded lookup.
 - ``rowwise_rep`` (``rowwise_split_input``): rowwise whose input arrives
   replicated and is sliced here.
-- ``embedding_colwise``: the embedding dim is sharded and gathered.
-- ``embedding_rowwise`` / ``rowwise`` on an embedding: vocabulary-sharded
-  lookup, partial outputs all-reduced; under SP too, since models derive
-  positions from the embedding output's length: the first block of the
-  stack keeps its rank's slice instead (:class:`ShardSequence`).
+- ``embedding_rowwise`` / ``embedding_colwise``: vocabulary- or
+  embedding-dim-sharded lookups. Under sequence parallelism a
+  vocabulary-sharded lookup reduce-scatters onto the sequence, as
+  torchtitan's does, and returns a ``Shard(1)`` DTensor: models derive
+  positions and masks from the embedding output's length, which a DTensor
+  reports whole.
 - ``sequence_parallel``: a norm run on the local sequence shard; its weight
   is a replicated DTensor, so DTensor sums its partial gradients.
-- ``replicated_with_grad_allreduce``: not a torch style. The module stays a
-  plain replica on every TP rank but sees only the rank's share of the work
-  (q/k norms over the local heads), so its gradient is a partial sum: it
-  becomes a TP-replica ``sum`` mark, reduced by
-  :func:`fsdptx.synchronize_tp_replica_gradients`.
+- ``replicated_with_grad_allreduce``: not a torch style; the module stays a
+  plain replica whose gradient is a partial sum (a TP-replica ``sum`` mark).
+
+The boundary styles all act on a module's hidden-states input (the first
+positional tensor, or the ``hidden_states`` keyword Hugging Face layers are
+called with), leaving every other argument alone:
+
+- :class:`ShardSequence` hands the first block this rank's slice as a
+  plain tensor: a slice of a whole sequence (no communication), or the
+  local part of a ``Shard(1)`` DTensor from the embedding.
+- :class:`GatherSequence` all-gathers ``Shard(1)`` into the whole sequence at
+  a region whose projections are all tensor-parallel. It hands the region a
+  ``Replicate`` DTensor, as torchtitan's ``PrepareModuleInput`` does, so the
+  colwise projections' partial input gradients add up as one DTensor and the
+  backward is one reduce-scatter, not one all-reduce per projection.
+- :class:`WholeSequence` gives a region the whole sequence as a plain tensor
+  and slices its output back to ``Shard(1)``: for a region the plan leaves
+  (partly) alone, such as DeepSeek-V3's MLA attention or a Mamba mixer, whose
+  plain parameters cannot meet a DTensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -43,6 +60,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -50,47 +69,84 @@ from torch.distributed.tensor.parallel import (
 
 __all__ = [
     "GatherSequence",
-    "ShardSequence",
     "REPLICA_SUM_STYLES",
-    "UNSUPPORTED_STYLES",
+    "SEQ",
     "STYLE_NAMES",
+    "ShardSequence",
+    "StyleLayouts",
+    "UNSUPPORTED_STYLES",
+    "WholeSequence",
     "describe_style",
     "style_for",
+    "style_layouts",
 ]
 
 SEQ = Shard(1)
+VOCAB = Shard(-1)
+# The layouts a style name can be asked for: the whole sequence, this rank's
+# sequence shard, or (a head's output) the vocabulary-sharded logits that
+# loss parallelism reads.
+Seq = Literal["whole", "shard", "vocab"]
+_PLACEMENT: dict[str, Placement] = {"whole": Replicate(), "shard": SEQ, "vocab": VOCAB}
 
-# name -> (plain factory, sequence-parallel factory)
-_FACTORIES: dict[str, tuple[Callable[[], ParallelStyle], Callable[[], ParallelStyle]]] = {
-    "colwise": (ColwiseParallel, ColwiseParallel),
-    "rowwise": (RowwiseParallel, lambda: RowwiseParallel(output_layouts=SEQ)),
-    "colwise_rep": (
-        lambda: ColwiseParallel(output_layouts=Replicate()),
-        lambda: ColwiseParallel(input_layouts=SEQ, output_layouts=Replicate()),
-    ),
-    "rowwise_rep": (
-        lambda: RowwiseParallel(input_layouts=Replicate()),
-        lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=SEQ),
-    ),
-    # Embeddings return the whole sequence under SP too: models derive
-    # positions (rotary tables, masks) from the embedding output's length,
-    # so the sequence is split where the first block receives it instead.
-    "embedding_rowwise": (
-        lambda: RowwiseParallel(input_layouts=Replicate()),
-        lambda: RowwiseParallel(input_layouts=Replicate()),
-    ),
-    "embedding_colwise": (
-        lambda: ColwiseParallel(output_layouts=Replicate()),
-        lambda: ColwiseParallel(output_layouts=Replicate()),
-    ),
-    # Local outputs: norms whose output is added straight onto the plain
-    # residual stream (Gemma's post-norms) must not hand back a DTensor. The
-    # weight stays a replicated DTensor, so its partial gradients are summed.
-    "sequence_parallel": (SequenceParallel, lambda: SequenceParallel(use_local_output=True)),
+# Names -> how the torch style is built from (module, takes, gives).
+_Factory = Callable[[nn.Module, Seq, Seq], ParallelStyle]
+
+
+def _colwise(gathered: bool) -> _Factory:
+    def build(module: nn.Module, takes: Seq, gives: Seq) -> ParallelStyle:
+        del module
+        if gives == "vocab":
+            return ColwiseParallel(input_layouts=_PLACEMENT[takes], output_layouts=VOCAB, use_local_output=False)
+        out = Replicate() if gathered else None
+        return ColwiseParallel(input_layouts=_PLACEMENT[takes], output_layouts=out)
+
+    return build
+
+
+def _rowwise(replicated_input: bool) -> _Factory:
+    def build(module: nn.Module, takes: Seq, gives: Seq) -> ParallelStyle:
+        del takes
+        embedding = isinstance(module, nn.Embedding)
+        # Token ids are never sharded: a vocabulary-sharded lookup takes them
+        # whole. Its partial lookups are reduce-scattered onto the sequence
+        # under SP (torchtitan's layout) and handed on as a DTensor: models
+        # derive positions and masks from the embedding output's length,
+        # which a DTensor reports whole; the first block takes the local slice.
+        whole_in = replicated_input or embedding
+        local = not (embedding and gives == "shard")
+        return RowwiseParallel(
+            input_layouts=Replicate() if whole_in else None, output_layouts=_PLACEMENT[gives], use_local_output=local
+        )
+
+    return build
+
+
+def _embedding_colwise(module: nn.Module, takes: Seq, gives: Seq) -> ParallelStyle:
+    del module, takes, gives
+    return ColwiseParallel(output_layouts=Replicate())
+
+
+def _sequence_parallel(module: nn.Module, takes: Seq, gives: Seq) -> ParallelStyle:
+    # A local output: norms whose output is added straight onto the plain
+    # residual stream (Gemma's post-norms) must not hand back a DTensor.
+    del module, takes, gives
+    return SequenceParallel(use_local_output=True)
+
+
+_FACTORIES: dict[str, _Factory] = {
+    "colwise": _colwise(gathered=False),
+    "colwise_rep": _colwise(gathered=True),
+    "colwise_gather_output": _colwise(gathered=True),
+    "rowwise": _rowwise(replicated_input=False),
+    "rowwise_rep": _rowwise(replicated_input=True),
+    "rowwise_split_input": _rowwise(replicated_input=True),
+    "embedding_rowwise": _rowwise(replicated_input=True),
+    "embedding_colwise": _embedding_colwise,
+    "sequence_parallel": _sequence_parallel,
 }
-# Hugging Face 5.x spellings of the same layouts.
-_FACTORIES["colwise_gather_output"] = _FACTORIES["colwise_rep"]
-_FACTORIES["rowwise_split_input"] = _FACTORIES["rowwise_rep"]
+COLWISE_NAMES = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise"})
+ROWWISE_NAMES = frozenset({"rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise"})
 # Style names that are TP-replica reductions, not torch styles.
 REPLICA_SUM_STYLES = frozenset({"replicated_with_grad_allreduce"})
 # Hugging Face style names with no torch equivalent (fused or packed weights,
@@ -120,90 +176,190 @@ UNSUPPORTED_STYLES = frozenset(
 STYLE_NAMES = tuple(sorted((*_FACTORIES, *REPLICA_SUM_STYLES)))
 
 
-def style_for(name: str, module: nn.Module, sequence_parallel: bool) -> ParallelStyle:
-    """The torch style for ``name`` on ``module``. ``rowwise`` on an
-    embedding takes a replicated input (token ids are never sharded)."""
-    plain, sp = _FACTORIES[name]
-    if name == "rowwise" and isinstance(module, nn.Embedding):
-        plain, sp = _FACTORIES["embedding_rowwise"]
-    return sp() if sequence_parallel else plain()
+def style_for(name: str, module: nn.Module, *, takes: Seq = "whole", gives: Seq = "whole") -> ParallelStyle:
+    """The torch style for style ``name`` on ``module``, taking and giving
+    the sequence layouts the position asks for (``"whole"``, ``"shard"``;
+    ``"vocab"`` for a loss-parallel head's output). Layouts a name does not
+    involve are ignored (a colwise output is always feature-sharded)."""
+    return _FACTORIES[name](module, takes, gives)
+
+
+@dataclass(frozen=True)
+class StyleLayouts:
+    """What a style does to a module's first input and its output, as far as
+    the residual stream is concerned. ``takes``: how a *plain* input is read
+    (``None``: left as it comes); a DTensor input is redistributed by the
+    style whatever it declares. ``gives``: the output's placement (``None``:
+    whatever the module computes), ``gives_dtensor`` whether it stays a
+    DTensor."""
+
+    takes: Placement | None
+    gives: Placement | None
+    gives_dtensor: bool
+
+
+def _first(layouts: Any) -> Placement | None:
+    if isinstance(layouts, tuple):
+        return layouts[0] if layouts else None
+    return layouts if isinstance(layouts, Placement) else None
+
+
+def style_layouts(style: ParallelStyle) -> StyleLayouts:
+    """The :class:`StyleLayouts` of a torch or fsdptx style; an unknown
+    style is opaque (takes and gives whatever it is handed)."""
+    if isinstance(style, _Boundary):
+        return StyleLayouts(style.takes, style.gives, style.hands_dtensor)
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return StyleLayouts(_first(style.input_layouts), _first(style.output_layouts), not style.use_local_output)
+    if isinstance(style, SequenceParallel):
+        seq = _first(style.sequence_sharding)
+        return StyleLayouts(seq, seq, not style.use_local_output)
+    if isinstance(style, PrepareModuleInputOutput):
+        inp, out = style.prepare_module_input, style.prepare_module_output
+        return StyleLayouts(_first(inp.input_layouts), _first(out.desired_output_layouts), not out.use_local_output)
+    if isinstance(style, PrepareModuleInput):
+        return StyleLayouts(_first(style.input_layouts), None, False)
+    if isinstance(style, PrepareModuleOutput):
+        return StyleLayouts(None, _first(style.desired_output_layouts), not style.use_local_output)
+    return StyleLayouts(None, None, False)
+
+
+def region_input(style: ParallelStyle) -> tuple[Placement | None, bool]:
+    """What a style hands its module's inside (the placement and whether as
+    a DTensor): a ``PrepareModuleInput``'s desired layout, or ``None``."""
+    prepare = style.prepare_module_input if isinstance(style, PrepareModuleInputOutput) else style
+    if isinstance(prepare, PrepareModuleInput):
+        return _first(prepare.desired_input_layouts), not prepare.use_local_output
+    if isinstance(style, _Boundary):
+        return style.inner, style.hands_dtensor
+    return None, False
 
 
 _RELAID = "_fsdptx_relaid_by"
 
 
-class _HiddenStatesInput(ParallelStyle):
-    """Re-lays a module's hidden-states input (the first positional tensor,
-    or the ``hidden_states`` keyword, as Hugging Face layers are called) and
-    leaves every other argument alone. torch's ``PrepareModuleInput`` needs
-    the exact number of positional inputs, which differs between
-    architectures; these styles need none."""
+def _relay(t: Any, style: object, mesh: DeviceMesh, source: Placement, target: Placement, local: bool) -> Any:
+    """``t`` re-laid from ``source`` to ``target`` on ``mesh`` (a DTensor is
+    taken at its own placement). A tensor this very style produced is left
+    alone: activation checkpointing recomputes a block by calling it again
+    with the arguments it saved, which already went through the hook."""
+    if not isinstance(t, torch.Tensor) or getattr(t, _RELAID, None) is style:
+        return t
+    dt = t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, (source,), run_check=False)
+    relaid = dt.redistribute(mesh, (target,))
+    out: torch.Tensor = relaid.to_local() if local else relaid
+    setattr(out, _RELAID, style)
+    return out
 
-    source: Placement
-    target: Placement
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def convert(t: Any) -> Any:
-            # A tensor this style produced is left alone: activation
-            # checkpointing recomputes a block by calling it again with the
-            # arguments it saved, which already went through this hook.
-            if not isinstance(t, torch.Tensor) or getattr(t, _RELAID, None) is self:
-                return t
-            dt = t if isinstance(t, DTensor) else DTensor.from_local(t, device_mesh, (self.source,), run_check=False)
-            out = dt.redistribute(device_mesh, (self.target,)).to_local()
-            setattr(out, _RELAID, self)
-            return out
-
-        def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            if args:
-                return (convert(args[0]), *args[1:]), kwargs
-            if "hidden_states" in kwargs:
-                return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"])}
-            raise RuntimeError(
-                f"{type(self).__name__} on {type(m).__name__}: found neither a positional input nor a "
-                "hidden_states keyword; pass an explicit plan= for this module"
+def _check_divisible(t: Any, mesh: DeviceMesh, where: str) -> None:
+    """A whole sequence must split evenly over the TP ranks: DTensor would
+    otherwise shard it unevenly and peers would disagree on every shape
+    that follows (a wrong result on a fake mesh, a crashed rank on gloo)."""
+    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() >= 2:
+        size = mesh.size()
+        if t.shape[1] % size:
+            raise ValueError(
+                f"sequence parallelism: {where} received a sequence of {t.shape[1]} positions, which is not "
+                f"divisible by the tensor-parallel size {size}; pad or cut the batch to a multiple of {size}"
             )
 
-        module.register_forward_pre_hook(hook, with_kwargs=True)
+
+def _hidden_states(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], style: object) -> tuple[str, Any]:
+    if args:
+        return "arg", args[0]
+    if "hidden_states" in kwargs:
+        return "kwarg", kwargs["hidden_states"]
+    raise RuntimeError(
+        f"{style!r} on {type(module).__name__}: found neither a positional input nor a hidden_states "
+        "keyword; give this module an explicit torch style in the TP plan"
+    )
+
+
+class _Boundary(ParallelStyle):
+    """A sequence boundary at a module's hidden-states input (and, for
+    :class:`WholeSequence`, its output). ``takes``/``gives`` are the stream
+    layouts around the module; ``inner`` what its inside receives."""
+
+    takes: Placement
+    gives: Placement | None
+    inner: Placement
+    hands_dtensor: bool = False
+    slices_output: bool = False
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def before(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            where, t = _hidden_states(m, args, kwargs, self)
+            if self.takes == Replicate():
+                _check_divisible(t, device_mesh, type(m).__name__)
+            out = _relay(t, self, device_mesh, self.takes, self.inner, not self.hands_dtensor)
+            if where == "arg":
+                return (out, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": out}
+
+        module.register_forward_pre_hook(before, with_kwargs=True)
+        if self.slices_output:
+
+            def after(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+                _where, full = _hidden_states(m, args, kwargs, self)
+                length = full.shape[1] if isinstance(full, torch.Tensor) and full.dim() >= 2 else None
+                return _slice_output(output, length, device_mesh)
+
+            module.register_forward_hook(after, with_kwargs=True)
         return module
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.source} -> {self.target})"
+        return f"{type(self).__name__}()"
 
 
-class GatherSequence(_HiddenStatesInput):
-    """Under sequence parallelism, all-gather a module's hidden states from
-    ``Shard(1)`` to the full sequence at its boundary.
+def _slice_output(output: Any, length: int | None, mesh: DeviceMesh) -> Any:
+    """This rank's sequence slice of a whole-sequence output (the tensor, or
+    the first element of a tuple: Hugging Face attention returns weights
+    beside it). Anything not shaped like the sequence passes unchanged."""
+    if isinstance(output, tuple) and output:
+        return (_slice_output(output[0], length, mesh), *output[1:])
+    if isinstance(output, torch.Tensor) and output.dim() >= 2 and output.shape[1] == length:
+        full = DTensor.from_local(output, mesh, (Replicate(),), run_check=False)
+        return full.redistribute(mesh, (SEQ,)).to_local()
+    return output
 
-    Placed on the parent of colwise projections (attention, MLP), so the
-    gather happens once per module rather than once per projection, and the
-    module's own code (which may reshape by the input's sequence length) sees
-    the full sequence.
-    """
 
-    source, target = SEQ, Replicate()
+class ShardSequence(_Boundary):
+    """Keep this TP rank's slice of the whole sequence where the first block
+    receives it (the embedding returned it whole): from here to the final
+    norm the residual stream is ``Shard(1)``. A slice, no communication."""
+
+    takes, gives, inner = Replicate(), SEQ, SEQ
 
 
-class ShardSequence(_HiddenStatesInput):
-    """Under sequence parallelism, keep this TP rank's slice of the sequence
-    as the first block receives the (replicated) embedding output: from here
-    to the final norm the residual stream is ``Shard(1)``. A slice, no
-    communication."""
+class GatherSequence(_Boundary):
+    """All-gather a region's ``Shard(1)`` input into the whole sequence and
+    hand it over as a ``Replicate`` DTensor (one reduce-scatter in backward
+    for all the region's colwise projections together)."""
 
-    source, target = Replicate(), SEQ
+    takes, gives, inner = SEQ, None, Replicate()
+    hands_dtensor = True
+
+
+class WholeSequence(_Boundary):
+    """Run a region on the whole sequence as plain tensors and hand its
+    output back as this rank's ``Shard(1)`` slice. Its parameters compute
+    the same thing on every TP rank, so their gradients agree (a ``mean``);
+    the output's gradient is all-gathered on the way back."""
+
+    takes, gives, inner = SEQ, SEQ, Replicate()
+    slices_output = True
 
 
 def describe_style(style: ParallelStyle) -> str:
     """A short readable description of a torch style, for the Plan."""
+    layouts = style_layouts(style)
     parts: list[str] = []
-    for attr, label in (("input_layouts", "in"), ("output_layouts", "out")):
-        value = getattr(style, attr, None)
-        if isinstance(value, tuple):
-            value = value[0] if len(value) == 1 else value
-        if value is not None:
-            parts.append(f"{label}={value}")
-    if isinstance(style, SequenceParallel):
-        parts.append(f"seq={style.sequence_sharding[0]}")
-    if isinstance(style, PrepareModuleOutput):
-        parts.append(f"out={style.output_layouts}->{style.desired_output_layouts}")
+    if layouts.takes is not None:
+        parts.append(f"in={layouts.takes}")
+    if layouts.gives is not None:
+        parts.append(f"out={layouts.gives}")
+    inner, _dtensor = region_input(style)
+    if inner is not None and not isinstance(style, _Boundary):
+        parts.append(f"inside={inner}")
     return f"{type(style).__name__}({', '.join(parts)})"

@@ -9,46 +9,22 @@ and by the manager's dry run before anything is mutated.
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from ..planning._plan import Plan, Reduction, TensorParallel, TPAssignment
-from ..planning._plan import preview
-from ..planning._planner import ModelIndex, PlanningError
-from ._styles import (
-    REPLICA_SUM_STYLES,
-    UNSUPPORTED_STYLES,
-    SEQ,
-    STYLE_NAMES,
-    GatherSequence,
-    ShardSequence,
-    describe_style,
-    style_for,
-)
+from ..core._globs import segment_match
+from ..model._index import ModelIndex, PlanningError
+from ..plan._kinds import unit_blind
+from ..plan._transforms import block_fqns, model_index
+from ..plan._types import Plan, Reduction, TensorParallel, TPAssignment
+from ..plan._types import preview
+from ._layout import StyleSpec, output_head_module, sequence_layout
+from ._styles import REPLICA_SUM_STYLES, STYLE_NAMES, UNSUPPORTED_STYLES, describe_style
 
 __all__ = ["check_tensor_parallel", "declared_tp_plan", "segment_match", "tensor_parallel"]
-
-StyleSpec = str | ParallelStyle
-
-
-def segment_match(pattern: str, fqn: str) -> bool:
-    """``layers.*.attn.q_proj`` matches ``layers.3.attn.q_proj``: globs
-    match one dotted segment each, as in torch's ``parallelize_module``
-    (so ``*`` never swallows a whole subtree)."""
-    ps, fs = pattern.split("."), fqn.split(".")
-    return len(ps) == len(fs) and all(fnmatch.fnmatchcase(f, p) for p, f in zip(ps, fs))
-
 
 def declared_tp_plan(model: nn.Module) -> dict[str, StyleSpec]:
     """The TP plan the model declares: ``_tp_plan`` (module-root-relative
@@ -65,10 +41,7 @@ def declared_tp_plan(model: nn.Module) -> dict[str, StyleSpec]:
     return dict(own)
 
 
-def _is_norm(module: nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower()
-
-
+@unit_blind
 def tensor_parallel(
     model: nn.Module,
     current: Plan,
@@ -76,45 +49,48 @@ def tensor_parallel(
     *,
     plan: Mapping[str, StyleSpec] | None = None,
     sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    blocks: Sequence[str] | None = None,
 ) -> Plan:
     """Record which module gets which tensor-parallel style.
 
-    ``plan`` maps module globs (one segment per ``*``) to a torch
-    ``ParallelStyle`` or a Hugging Face style name (``colwise``, ``rowwise``,
-    ``colwise_rep``, ``rowwise_rep``, ``embedding_rowwise``,
-    ``sequence_parallel``, ``replicated_with_grad_allreduce``); by default the
-    model's declared plan (``_tp_plan``, or Hugging Face's
-    ``base_model_tp_plan`` with the head's). Every glob of an explicit plan
-    must match a module; a declared plan's entries that match no module or
-    name a style torch has no equivalent for are skipped, and the Plan shows
-    them. A module may be matched by one glob only. An empty plan is valid:
-    every parameter is then a replica on each TP rank, kept equal by
+    ``plan`` maps module globs (one segment per ``*``; activation-checkpoint
+    and ``torch.compile`` wrappers are seen through, so ``layers.*.attn.q_proj``
+    matches a wrapped block's projection) to a torch ``ParallelStyle`` or a
+    Hugging Face style name (``colwise``, ``rowwise``, ``colwise_rep``,
+    ``rowwise_rep``, ``embedding_rowwise``, ``sequence_parallel``,
+    ``replicated_with_grad_allreduce``); by default the model's declared
+    plan (``_tp_plan``, or Hugging Face's ``base_model_tp_plan`` with the
+    head's). Every glob of an explicit plan must match a module; a declared
+    plan's entries that match no module or name a style torch has no
+    equivalent for are skipped, and the Plan shows them. A module may be
+    matched by one glob only. An empty plan is valid: every parameter is
+    then a replica on each TP rank, kept equal by
     :func:`fsdptx.synchronize_tp_replica_gradients`.
 
-    ``sequence_parallel=True`` derives the sequence-parallel layout: rowwise
-    outputs are reduce-scattered onto the sequence dim; inside a block, the
-    parents of colwise projections gather the sequence once at their
-    boundary (a ``colwise_rep`` projection there then takes it replicated,
-    as in the plain layout); a plan that tensor-parallelizes no block stack
-    is refused, since nothing would shard the sequence; the
-    norms of each block and of the backbone run on the local sequence shard
-    (``SequenceParallel``); the first block of each TP stack keeps its
-    rank's slice of the sequence (embeddings return it whole: models derive
-    positions from its length), and an output head outside the plan gathers
-    it.
-    Plain parameters left on the sequence-sharded stream of a block (a
-    holder added to the residual, a gate) get a ``sum`` TP-replica mark:
-    each TP rank's gradient covers only its tokens.
-    """
-    from ..planning._transforms import model_index  # local: _transforms re-exports this transform
+    Layouts come from the sequence-layout pass (:mod:`fsdptx.tp._layout`):
+    a style name is built for the layout its position on the residual
+    stream takes and gives; torch styles are used as given and checked
+    against their neighbours. ``sequence_parallel=True`` runs the blocks on
+    the ``Shard(1)`` sequence shard, adding only the boundaries the plan
+    leaves out; a plan whose layouts disagree is refused naming both
+    modules. ``loss_parallel=True`` keeps the head's logits
+    vocabulary-sharded (compute the loss under :func:`fsdptx.loss_parallel`).
+    ``blocks`` as in :func:`fsdptx.shard_by_dtype`.
 
+    Example::
+
+        sp = functools.partial(fsdptx.tensor_parallel, sequence_parallel=True)
+        print(fsdptx.plan(model, sp))   # the stream's layout at each module
+    """
     index = model_index(model, current)
     explicit = plan is not None
     declared = dict(plan) if plan is not None else declared_tp_plan(model)
-    assigned: dict[str, TPAssignment] = {}
+    resolved: dict[str, tuple[str, StyleSpec]] = {}
     skipped: list[tuple[str, str, str]] = []
     reductions: dict[str, Reduction] = dict(current.reductions)
     problems: list[str] = []
+    sum_modules: list[str] = []
     for pattern, spec in declared.items():
         if not isinstance(pattern, str):
             raise TypeError(f"tensor_parallel: plan keys must be module globs (str), got {pattern!r}")
@@ -129,7 +105,7 @@ def tensor_parallel(
         if isinstance(spec, str) and spec not in STYLE_NAMES:
             problems.append(f"{pattern!r}: unknown style {spec!r}; use one of {', '.join(STYLE_NAMES)} or a torch ParallelStyle")
             continue
-        matched = [f for f in index.modules if f and segment_match(pattern, f)]
+        matched = index.match(pattern)
         if not matched:
             if explicit:
                 problems.append(f"{pattern!r} matches no module of {type(model).__name__}")
@@ -139,44 +115,41 @@ def tensor_parallel(
         if isinstance(spec, str) and spec in REPLICA_SUM_STYLES:
             for fqn in matched:
                 _mark_sum(index, fqn, reductions, pattern, problems)
+            sum_modules.extend(matched)
             skipped.append((pattern, spec, "its gradients are summed over TP ranks (TP-replica mark)"))
             continue
         if spec == "sequence_parallel" and not sequence_parallel:
             skipped.append((pattern, spec, "applies only with sequence_parallel=True"))
             continue
         for fqn in matched:
-            if fqn in assigned:
-                problems.append(f"module {fqn!r} is matched by both {assigned[fqn].pattern!r} and {pattern!r}")
+            if fqn in resolved:
+                problems.append(f"module {fqn!r} is matched by both {resolved[fqn][0]!r} and {pattern!r}")
                 continue
-            module = index.modules[fqn]
-            if isinstance(spec, str):
-                style = style_for(spec, module, sequence_parallel)
-                name = spec
-            else:
-                style, name = spec, describe_style(spec)
-            assigned[fqn] = TPAssignment(fqn, name, pattern, style)
+            resolved[fqn] = (pattern, spec)
     if problems:
         raise PlanningError("tensor_parallel: the TP plan does not fit the model:\n  - " + "\n  - ".join(problems))
-    if sequence_parallel:
-        stacks = _tp_stacks(index, assigned)
-        if not stacks:
-            # Without a TP block stack nothing shards the sequence, yet the
-            # head's sequence-parallel style would read its whole-sequence
-            # input as one rank's slice: logits for twice the tokens.
-            raise PlanningError(
-                "tensor_parallel: sequence_parallel=True, but the TP plan parallelizes no block stack "
-                f"(it covers {preview(sorted(assigned)) or 'no module'}), so no block would run on a "
-                "sequence shard; use sequence_parallel=False, or a TP plan that shards the blocks' projections"
-            )
-        _add_sequence_boundaries(model, index, assigned, stacks)
-        for fqn in _on_sequence_shard(index, assigned, stacks):
-            _mark_sum(index, fqn, reductions, "<sequence parallel>", problems)
-        if problems:
-            raise PlanningError("tensor_parallel: " + "; ".join(problems))
+    layout = sequence_layout(
+        model,
+        index,
+        resolved,
+        block_fqns(blocks, index, "tensor_parallel"),
+        sum_marked=sum_modules,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+    )
+    for fqn in layout.sums:
+        _mark_sum(index, fqn, reductions, "<sequence parallel>", layout.problems)
+    if layout.problems:
+        raise PlanningError(
+            "tensor_parallel: the TP plan's sequence layouts disagree:\n  - " + "\n  - ".join(layout.problems)
+        )
+    assigned = layout.assignments
     tp = TensorParallel(
         assignments=tuple(assigned[f] for f in sorted(assigned)),
         sequence_parallel=sequence_parallel,
         skipped=tuple(skipped),
+        loss_parallel=loss_parallel,
+        stream=tuple(layout.steps),
     )
     return current.replace(tensor_parallel=tp, reductions=reductions)
 
@@ -190,115 +163,6 @@ def _mark_sum(index: ModelIndex, fqn: str, out: dict[str, Reduction], pattern: s
         if out.get(name, "sum") != "sum":
             problems.append(f"parameter {name!r} is marked {out[name]!r} and, by {pattern!r}, 'sum'")
         out[name] = "sum"
-
-
-def _tp_stacks(index: ModelIndex, assigned: dict[str, TPAssignment]) -> dict[str, list[str]]:
-    """The block stacks the declared plan tensor-parallelizes: parent
-    container -> its blocks in order. Sequence parallelism applies to these
-    only; a stack without TP (a vision tower beside the language model)
-    keeps its own layout."""
-    stacks: dict[str, list[str]] = {}
-    for b in index.blocks:
-        stacks.setdefault(b.rpartition(".")[0], []).append(b)
-    return {
-        parent: blocks
-        for parent, blocks in stacks.items()
-        if any(f.startswith(b + ".") for b in blocks for f in assigned)
-    }
-
-
-# Colwise styles whose input, inside a block, is gathered once at the parent.
-_GATHERED_AT_PARENT = frozenset({"colwise", "colwise_rep", "colwise_gather_output"})
-
-
-def _add_sequence_boundaries(
-    model: nn.Module, index: ModelIndex, assigned: dict[str, TPAssignment], stacks: dict[str, list[str]]
-) -> None:
-    """Styles that sequence parallelism needs where the declared plan says
-    nothing: the first block of each TP stack keeps its slice of the
-    sequence, parents of colwise projections gather it back, the norms of
-    the blocks and of the backbone run on the local shard, and an output
-    head outside the plan gathers the sequence."""
-    blocks = {b for stack in stacks.values() for b in stack}
-    backbones = {parent.rpartition(".")[0] for parent in stacks}
-    for fqn in sorted(assigned):
-        a = assigned[fqn]
-        if not isinstance(a.parallel_style, ColwiseParallel) or a.style not in _GATHERED_AT_PARENT:
-            continue
-        parent = fqn.rpartition(".")[0]
-        if parent in blocks or parent in backbones:
-            continue
-        if a.style != "colwise" and not any(fqn.startswith(b + ".") for b in blocks):
-            continue  # a gathered projection outside the blocks (an output head) gathers for itself
-        if parent not in assigned:
-            assigned[parent] = TPAssignment(parent, "gather_sequence (sp)", "<sequence parallel>", GatherSequence())
-        if a.style != "colwise" and isinstance(assigned[parent].parallel_style, GatherSequence):
-            # Its input is the parent's gathered sequence, not a shard: the
-            # plain layout (Olmo2's and Phi3's q/k/v projections). Under a
-            # parent with a style of the plan's own, it gathers for itself.
-            assigned[fqn] = TPAssignment(fqn, a.style, a.pattern, style_for(a.style, index.modules[fqn], False))
-    for fqn, module in index.modules.items():
-        parent = fqn.rpartition(".")[0]
-        if fqn and fqn not in assigned and _is_norm(module) and (parent in blocks or parent in backbones):
-            if any(p is not None for p in module._parameters.values()):
-                assigned[fqn] = TPAssignment(fqn, "sequence_parallel (sp)", "<sequence parallel>", style_for("sequence_parallel", module, True))
-    for stack in stacks.values():
-        first = stack[0]
-        if first not in assigned:
-            assigned[first] = TPAssignment(first, "shard_sequence (sp)", "<sequence parallel>", ShardSequence())
-    head = _output_head(model, index)
-    if head is not None and head not in assigned:
-        # A plain module: it gets the gathered sequence as a plain tensor.
-        gather = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=True)
-        assigned[head] = TPAssignment(head, "gather_sequence_input (sp)", "<sequence parallel>", gather)
-
-
-def _on_sequence_shard(index: ModelIndex, assigned: dict[str, TPAssignment], stacks: dict[str, list[str]]) -> list[str]:
-    """Modules with plain parameters that run on the sequence-sharded stream.
-
-    Under sequence parallelism the residual stream between TP regions holds
-    each rank's slice of the tokens. A module there that no TP style covers
-    (a per-block holder added to the stream, a gate, a router) keeps a full
-    replica of its parameters but sees only its rank's tokens, so its
-    gradient on each TP rank is a partial sum over disjoint tokens: the
-    reduction that math requires is ``sum``. Modules inside a TP region
-    (under a gathering parent or a sharded projection) are not on the
-    stream, and neither is anything outside the TP stacks' blocks.
-    """
-    blocks = [b for stack in stacks.values() for b in stack]
-    found = []
-    for fqn, module in index.modules.items():
-        if fqn in assigned or not any(p is not None for p in module._parameters.values()):
-            continue
-        block = next((b for b in blocks if fqn.startswith(b + ".")), None)
-        if block is None:
-            continue
-        parts = fqn[len(block) + 1 :].split(".")
-        covered = any(f"{block}.{'.'.join(parts[: i + 1])}" in assigned for i in range(len(parts) - 1))
-        if not covered:
-            found.append(fqn)
-    return found
-
-
-def _output_head(model: nn.Module, index: ModelIndex) -> str | None:
-    """The FQN of the output head (see :func:`_head_module`)."""
-    head = _head_module(model, index.modules)
-    return None if head is None else index.fqn_of_module.get(id(head))
-
-
-def _head_module(model: nn.Module, modules: Mapping[str, nn.Module]) -> nn.Module | None:
-    """The output head: what a Hugging Face model's
-    ``get_output_embeddings`` returns, else a root ``lm_head`` Linear."""
-    fn = getattr(model, "get_output_embeddings", None)
-    if callable(fn):
-        try:
-            found = fn()
-        except (NotImplementedError, AttributeError):
-            found = None
-        if isinstance(found, nn.Module):
-            return found
-    lm_head = modules.get("lm_head")
-    return lm_head if isinstance(lm_head, nn.Linear) else None
 
 
 _HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
@@ -332,7 +196,7 @@ def check_tensor_parallel(tp: TensorParallel, model: nn.Module, tp_size: int) ->
     # Head counts matter where attention is sharded, which a plan sharding
     # no Linear but the output head (GPT-OSS's: embedding and head) does not
     # do; any other sharded Linear is taken to be in a block, heads and all.
-    head = _head_module(model, modules)
+    head = output_head_module(model, modules)
     splits_blocks = any(
         isinstance(a.parallel_style, (ColwiseParallel, RowwiseParallel))
         and isinstance(modules.get(a.module), nn.Linear)

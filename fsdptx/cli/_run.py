@@ -1,0 +1,218 @@
+"""Building the dry run's model and running the manager on a fake mesh."""
+
+from __future__ import annotations
+
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Shard
+
+from ..apply._apply import apply_plan
+from ..core._meshes import KNOWN_DIMS, ParallelDims
+from ..plan._types import Plan, Unit, _format_requests, reshards_after_forward
+from ..plan._json import plan_document
+from ._report import OPTIMIZER_STATES, MemoryPlan, ParamShard, UnitTraffic, local_shape, memory_plan, step_traffic
+from ..plan._transforms import compose, mark_reduction, shard_across_blocks, shard_by_dtype
+from ..presets import PRESETS, build_preset
+from ._memory import Trace, disable_kv_cache, memory_json, memory_text, traced
+from ._common import APPLY_BUDGET, MAX_LAYERS, MAX_WORLD, UsageError, _DP_DIMS, _DTYPES, _one_line, param_shards
+
+
+def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``"dp=2,tp=4"`` -> ``((2, 4), ("dp", "tp"))``, refusing meshes larger
+    than :data:`MAX_WORLD` ranks before anything is built."""
+    shape: list[int] = []
+    names: list[str] = []
+    for item in text.split(","):
+        name, sep, size = item.strip().partition("=")
+        # ASCII digits only: "²".isdigit() is True, but int("²") fails.
+        if not sep or not name.isidentifier() or not (size.isascii() and size.isdigit()) or int(size) < 1:
+            raise UsageError(f"malformed --mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...] such as dp=2,tp=4")
+        if name in names:
+            raise UsageError(f"malformed --mesh {text!r}: axis {name!r} appears twice")
+        if name not in KNOWN_DIMS:
+            raise UsageError(f"--mesh {text!r}: unknown axis {name!r}; name each axis one of {', '.join(KNOWN_DIMS)}")
+        names.append(name)
+        shape.append(int(size))
+    world = math.prod(shape)
+    if world > MAX_WORLD:
+        raise UsageError(f"--mesh {text!r} has {world:,} ranks; the dry run simulates at most {MAX_WORLD:,}")
+    if not any(n in _DP_DIMS for n in names):
+        raise UsageError(
+            f"--mesh {text!r} has no data-parallel axis ({', '.join(_DP_DIMS)}); add dp=1 for tensor parallelism alone"
+        )
+    return tuple(shape), tuple(names)
+
+
+def _parse_value(text: str) -> object:
+    """``--hf-config`` values: int, then float, then true/false, else the string."""
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    return text
+
+
+def parse_hf_config(items: Sequence[str]) -> dict[str, object]:
+    """``["num_hidden_layers=2,hidden_size=64"]`` -> ``{"num_hidden_layers": 2, "hidden_size": 64}``."""
+    out: dict[str, object] = {}
+    for text in items:
+        for item in text.split(","):
+            key, sep, value = item.strip().partition("=")
+            if not sep or not key.isidentifier() or not value:
+                raise UsageError(f"malformed --hf-config {text!r}: expected KEY=VALUE[,KEY=VALUE...]")
+            out[key] = _parse_value(value)
+    return out
+
+
+def _exited(what: str, e: SystemExit) -> UsageError:
+    return UsageError(f"{what} called sys.exit({e.code!r}); it must return an nn.Module instead of exiting")
+
+
+def load_factory(spec: str) -> Callable[[], nn.Module]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"malformed --factory {spec!r}: expected package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except SystemExit as e:
+        raise _exited(f"importing {module_name!r} for --factory", e) from None
+    except Exception as e:  # any import-time failure is the user's factory failing
+        raise UsageError(f"cannot import {module_name!r} for --factory: {type(e).__name__}: {e}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UsageError(f"--factory {spec!r}: {module_name} has no callable {attr!r}")
+    return factory  # type: ignore[no-any-return]
+
+
+def _build_hf(args: argparse.Namespace) -> nn.Module:
+    from ..hf import build_hf_model
+
+    overrides = parse_hf_config(args.hf_config)
+    layers = overrides.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > MAX_LAYERS:
+        raise UsageError(f"--hf-config num_hidden_layers must be at most {MAX_LAYERS:,}, got {layers:,}")
+    dtype = _DTYPES[args.dtype or "bf16"]
+    try:
+        return build_hf_model(args.hf, overrides, dtype=dtype, device="meta")
+    except ImportError as e:
+        raise UsageError(str(e)) from None
+    except SystemExit as e:
+        raise _exited(f"building --hf {args.hf!r}", e) from None
+    except Exception as e:  # unknown type, bad override: the config's own message says which
+        raise UsageError(f"cannot build --hf {args.hf!r}: {type(e).__name__}: {_one_line(e)}") from None
+
+
+def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
+    """Construct on the meta device (shapes and dtypes without memory);
+    returns the model and the name the report shows."""
+    if args.hf is None and args.hf_config:
+        raise UsageError("--hf-config needs --hf MODEL_TYPE (or --hf path/to/config.json)")
+    if args.hf is None and args.dtype is not None:
+        raise UsageError("--dtype applies to --hf models; presets and factories choose their own dtypes")
+    if args.layers is not None and (args.hf or args.factory):
+        raise UsageError("--layers applies to presets; for --hf use --hf-config num_hidden_layers=N")
+    if args.hf is not None:
+        model = _build_hf(args)
+        return model, f"{args.hf} ({type(model).__name__}, {args.dtype or 'bf16'})"
+    with torch.device("meta"):
+        if args.factory:
+            factory = load_factory(args.factory)
+            try:
+                model = factory()
+            except SystemExit as e:
+                raise _exited(f"--factory {args.factory!r}", e) from None
+            except Exception as e:
+                raise UsageError(f"--factory {args.factory!r} raised {type(e).__name__}: {_one_line(e)}") from None
+            if not isinstance(model, nn.Module):
+                raise UsageError(f"--factory {args.factory!r} returned {type(model).__name__}, not an nn.Module")
+            return model, args.factory
+        preset = args.preset or "mixed"
+        layers = 16 if args.layers is None else args.layers
+        if preset not in PRESETS:
+            raise UsageError(f"unknown preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}")
+        if not 1 <= layers <= MAX_LAYERS:
+            raise UsageError(f"--layers must be between 1 and {MAX_LAYERS:,}, got {layers:,}")
+        return build_preset(preset, layers), f"{preset} (preset, {layers} layers)"
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What the dry run produced: the Plan, each parameter's rank-0 shard,
+    and how it got them (``applied``: ``"full"`` when ``parallelize`` ran,
+    ``"tp"`` when only TP was applied and FSDP shards were computed from
+    shapes, ``"none"`` when nothing needed applying)."""
+
+    plan: Plan
+    dims: ParallelDims
+    shards: dict[str, ParamShard]
+    applied: str
+    params: int
+    trace: Trace | None = None
+
+
+def dry_run(
+    model: nn.Module,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    config: Any,
+    *,
+    batch_seq: tuple[int, int] | None = None,
+) -> DryRun:
+    """Plan with the manager and apply on a fake mesh (within :data:`APPLY_BUDGET`);
+    with ``batch_seq``, also trace one training step (:func:`trace_step`)."""
+    from ..manager import FSDP2Manager
+    from ..testing import fake_mesh  # the fake backend is only needed here
+
+    n_params = sum(1 for _ in model.parameters())
+    with fake_mesh(shape, names) as mesh:
+        manager = FSDP2Manager(config, mesh)
+        dims = manager.dims
+        p = manager.plan(model)
+        tp_cost = n_params * (dims.tp if dims.tp > 1 else 0)
+        fsdp_cost = n_params * (dims.dp_shard if p.units else 0)
+        if tp_cost + fsdp_cost <= APPLY_BUDGET:
+            manager.parallelize(model)
+            applied = "full" if (p.units or p.tensor_parallel) else "none"
+        elif tp_cost <= APPLY_BUDGET:
+            # TP alone (and checkpointing, marks): the FSDP split is computed from shapes.
+            apply_plan(p.replace(units=(), prefetch=(), reduce_unused_params=False), model, mesh)
+            applied = "tp" if p.tensor_parallel else "computed"
+        else:
+            raise UsageError(
+                f"tp={dims.tp} over {n_params:,} parameters is more than the dry run simulates "
+                f"({APPLY_BUDGET:,} parameter shards); use a smaller tp"
+            )
+        shards = param_shards(model, p, dims, fsdp_applied=applied == "full")
+        trace = None if batch_seq is None else traced(model, p, applied, batch_seq, mesh)
+    return DryRun(plan=p, dims=dims, shards=shards, applied=applied, params=n_params, trace=trace)
+
+
+def _batch_seq(args: argparse.Namespace) -> tuple[int, int] | None:
+    """``--batch``/``--seq`` (defaults 1 and 2048), or None when nothing asks for a trace."""
+    if args.batch is None and args.seq is None and args.html is None and args.fit is None:
+        return None
+    batch = 1 if args.batch is None else args.batch
+    seq = 2048 if args.seq is None else args.seq
+    if batch < 1 or seq < 1:
+        raise UsageError(f"--batch and --seq must be >= 1, got --batch {batch} --seq {seq}")
+    return batch, seq

@@ -1,0 +1,187 @@
+"""Dtype resolution: which dtype a tensor computes in, and how parameters group.
+
+Storage dtype and compute dtype are two axes. FSDP2 needs every unit to be
+uniform in *storage* dtype (its "uniform original parameter dtype" assertion),
+while the unit's ``param_dtype`` decides the *compute* dtype. Grouping by the
+pair keeps both constraints satisfiable at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Collection, Hashable, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ._args import require_dtype, require_module, require_names
+
+__all__ = [
+    "LOW_PRECISION_FLOATS",
+    "compute_dtype",
+    "is_pinned",
+    "resolve_compute_dtype",
+    "gradient_reduce_dtype",
+    "group_params_by_dtype",
+    "make_compute_dtype_fn",
+]
+
+LOW_PRECISION_FLOATS: frozenset[torch.dtype] = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(torch, name)
+)
+
+
+def gradient_reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Communication dtype for a gradient: fp32 for low-precision floats.
+
+    Summing many bf16/fp16 contributions loses low-order bits at every step;
+    reducing in fp32 and casting back once keeps the result exact to the
+    storage precision. Every other dtype is communicated as it is.
+    """
+    require_dtype(dtype, "dtype", "gradient_reduce_dtype")
+    return torch.float32 if dtype in LOW_PRECISION_FLOATS else dtype
+
+
+def _is_lower_precision_policy(mp_policy: MixedPrecisionPolicy | None) -> bool:
+    return (
+        mp_policy is not None
+        and mp_policy.param_dtype is not None
+        and mp_policy.param_dtype.is_floating_point
+        and mp_policy.param_dtype.itemsize < torch.float32.itemsize
+    )
+
+
+def resolve_compute_dtype(
+    storage: torch.dtype,
+    pinned: bool,
+    hint: object,
+    mp_policy: MixedPrecisionPolicy | None,
+    *,
+    low_precision_bulk: bool = False,
+) -> torch.dtype:
+    """The compute-dtype precedence on plain facts (first match wins):
+
+    1. non-floating storage is kept (nothing to cast);
+    2. ``pinned`` (a name contains a pinned token) computes in fp32: the model
+       declares it intrinsically fp32 (``_keep_in_fp32_modules_strict``),
+       which holds even for a model built from scratch with no checkpoint;
+    3. a floating ``hint`` (``_hf_compute_dtype``, recorded at checkpoint
+       load) wins next, so a checkpoint's fp32 params stay fp32 after storage
+       was upcast;
+    4. fp32 storage under a lower-precision policy is an fp32 master weight
+       and computes in the policy's ``param_dtype`` -- unless
+       ``low_precision_bulk``: in a model whose trainable bulk is stored in
+       a lower precision, an fp32 parameter is no master weight but fp32 on
+       purpose (GPT-OSS sinks, SSM ``A_log``/``dt_bias`` kept fp32 by the
+       training script) and computes in fp32. The planner decides the bulk
+       (trainable numel by storage dtype); the seed's own resolution
+       (:func:`compute_dtype`) leaves it off;
+    5. otherwise the storage dtype.
+    """
+    if not storage.is_floating_point:
+        return storage
+    if pinned:
+        return torch.float32
+    if isinstance(hint, torch.dtype) and hint.is_floating_point:
+        return hint
+    if storage == torch.float32 and _is_lower_precision_policy(mp_policy):
+        assert mp_policy is not None and mp_policy.param_dtype is not None
+        return torch.float32 if low_precision_bulk else mp_policy.param_dtype
+    return storage
+
+
+def is_pinned(names: Iterable[str], fp32_compute_module_names: Collection[str]) -> bool:
+    """Whether any of a tensor's names contains a pinned-fp32 token."""
+    search = token_search(tuple(fp32_compute_module_names))
+    return search is not None and any(map(search, names))
+
+
+@functools.lru_cache(maxsize=64)
+def token_search(tokens: tuple[str, ...]) -> Callable[[str], re.Match[str] | None] | None:
+    """A search for any of ``tokens`` in a name (``None`` for no tokens):
+    one C-level scan per name instead of one ``in`` test per token, for the
+    planner asks this of every parameter. Memoized: a pipeline reuses the
+    same few token sets."""
+    return re.compile("|".join(map(re.escape, tokens))).search if tokens else None
+
+
+def compute_dtype(
+    tensor: torch.Tensor,
+    names: Iterable[str],
+    mp_policy: MixedPrecisionPolicy | None,
+    fp32_compute_module_names: Collection[str],
+) -> torch.dtype:
+    """Resolve one tensor's compute dtype from its storage, names and policy
+    (precedence in :func:`resolve_compute_dtype`).
+
+    Resolution is per tensor, so one genuinely bf16 sibling does not drag a
+    module's fp32 master weights into fp32 compute.
+    """
+    return resolve_compute_dtype(
+        tensor.dtype,
+        is_pinned(names, fp32_compute_module_names),
+        getattr(tensor, "_hf_compute_dtype", None),
+        mp_policy,
+    )
+
+
+def make_compute_dtype_fn(
+    module: nn.Module,
+    mp_policy: MixedPrecisionPolicy | None,
+    fp32_compute_module_names: Collection[str] = (),
+    ignored_params: Collection[nn.Parameter] | None = None,
+) -> Callable[[torch.Tensor], torch.dtype]:
+    """Build a ``tensor -> compute dtype`` resolver for ``module``'s tensors.
+
+    Names are looked up once here (every FQN of a tied tensor counts), so the
+    returned function is a dictionary lookup plus :func:`compute_dtype`.
+    ``ignored_params`` are left out of the name table: they belong to another
+    unit and are never grouped. A tensor from outside ``module`` resolves with
+    no names (rules 1 and 3-5).
+    """
+    require_module(module, "module", "make_compute_dtype_fn")
+    tokens = require_names(fp32_compute_module_names, "fp32_compute_module_names", "make_compute_dtype_fn")
+    ignored = {id(p) for p in ignored_params or ()}
+    names: dict[int, list[str]] = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in ignored:
+            names.setdefault(id(p), []).append(fqn)
+    for fqn, b in module.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), []).append(fqn)
+
+    def resolve(tensor: torch.Tensor) -> torch.dtype:
+        return compute_dtype(tensor, names.get(id(tensor), ()), mp_policy, tokens)
+
+    return resolve
+
+
+def group_params_by_dtype(
+    module: nn.Module,
+    dtype_of: Callable[[torch.Tensor], Hashable] | None = None,
+    ignored_params: Collection[nn.Parameter] | None = None,
+) -> dict[Hashable, list[nn.Parameter]]:
+    """Partition ``module``'s distinct parameters by ``dtype_of`` (storage dtype
+    by default), in registration order, leaving ``ignored_params`` out.
+
+    Pass a key of ``(storage, compute)`` to get FSDP2-shardable groups.
+    """
+    require_module(module, "module", "group_params_by_dtype")
+    key_fn: Callable[[torch.Tensor], Hashable] = dtype_of or (lambda t: t.dtype)
+    ignored = {id(p) for p in ignored_params or ()}
+    groups: dict[Hashable, list[nn.Parameter]] = {}
+    for p in module.parameters():
+        if id(p) not in ignored:
+            groups.setdefault(key_fn(p), []).append(p)
+    return groups

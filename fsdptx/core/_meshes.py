@@ -1,0 +1,173 @@
+"""Reading a device mesh by its dim names: which submesh FSDP shards over,
+which one tensor parallelism uses, and what pipeline parallelism changes.
+
+Names follow the convention torchtitan and NeMo share: ``dp_replicate`` and
+``dp_shard`` (or plain ``dp``) are data parallel, ``cp`` is context parallel
+and is folded into the shard dim (CP ranks hold different tokens of the same
+samples, so they must also hold different parameter shards to reduce their
+gradients together), ``tp`` is tensor parallel, ``pp`` is pipeline parallel.
+Already flattened names (``dp_shard_cp``, ``dp_cp``) are accepted too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["KNOWN_DIMS", "MOE_DP_DIMS", "ParallelDims", "fsdp_mesh", "moe_dp_dims", "moe_fsdp_mesh", "parallel_dims", "tp_mesh", "unit_dp_mesh"]
+
+_SHARD_DIMS = ("dp_shard", "dp", "dp_shard_cp", "dp_cp", "cp")
+KNOWN_DIMS = ("dp_replicate", *_SHARD_DIMS, "tp", "pp")
+# Data-parallel dims of a MoE mesh; ``ep`` (expert parallel) is not one: the
+# model shards experts across it itself.
+MOE_DP_DIMS = ("ep_replicate", "ep_shard", "dp_replicate", "dp_shard", "dp", "dp_shard_cp", "dp_cp", "cp")
+_MOE_KNOWN = (*MOE_DP_DIMS, "ep", "tp", "pp")
+_FLAT_SHARD = "dp_shard_cp"
+_REPLICATE_ONLY_SHARD = "dp_shard"  # the size-1 shard dim of a replicate-only mesh
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of each parallelism in a mesh, by role (1 where absent)."""
+
+    dp_replicate: int
+    dp_shard: int  # data-parallel shard size, cp folded in
+    cp: int
+    tp: int
+    pp: int
+
+    @property
+    def fsdp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sharding_enabled(self) -> bool:
+        """FSDP units are worth planning only when more than one rank holds
+        the same layer: on a single data-parallel rank there is nothing to
+        shard (the reference's ``fsdp2_sharding_enabled``)."""
+        return self.fsdp_size > 1
+
+
+def _names(mesh: DeviceMesh, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what} must be a torch DeviceMesh, got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names
+    if names is None:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"{what} has {mesh.ndim} unnamed dims; name them (init_device_mesh(..., mesh_dim_names=...)) "
+                f"with {', '.join(known)}"
+            )
+        return ("dp",)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(
+            f"{what} has dim(s) {unknown} fsdptx does not know; name each dim one of {', '.join(known)}"
+        )
+    return tuple(names)
+
+
+def _refuse_two_shard_names(names: tuple[str, ...]) -> None:
+    """``dp`` and ``dp_shard`` name the same role; a mesh with both is
+    ambiguous (is ``dp`` meant as replication?), and folding both into one
+    shard dim silently would shard over ranks the user may have meant to
+    replicate over."""
+    if "dp" in names and "dp_shard" in names:
+        raise ValueError(
+            f"device_mesh has both 'dp' and 'dp_shard' dims {names}: ambiguous; name the dim FSDP "
+            "shards over 'dp_shard' and a replicated one 'dp_replicate' (or use 'dp' alone)"
+        )
+
+
+def parallel_dims(mesh: DeviceMesh) -> ParallelDims:
+    """The role sizes of ``mesh``; an unknown dim name is a ``ValueError``."""
+    names = _names(mesh, KNOWN_DIMS, "device_mesh")
+    _refuse_two_shard_names(names)
+    size = dict(zip(names, mesh.shape))
+    shard = math.prod(size[n] for n in names if n in _SHARD_DIMS)
+    return ParallelDims(
+        dp_replicate=size.get("dp_replicate", 1),
+        dp_shard=shard,
+        cp=size.get("cp", 1),
+        tp=size.get("tp", 1),
+        pp=size.get("pp", 1),
+    )
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``fully_shard`` uses: the shard dims (``cp`` folded in,
+    flattened into one when there are several), preceded by ``dp_replicate``
+    when present (a 2-D mesh: HSDP, replicate across dim 0, shard across 1).
+
+    A mesh whose only data-parallel dim is ``dp_replicate`` replicates: it
+    becomes HSDP with a shard dim of size 1, so every rank holds whole
+    parameters (DDP semantics), not a 1-D mesh FSDP would shard over."""
+    names = _names(mesh, KNOWN_DIMS, "device_mesh")
+    if mesh.mesh_dim_names is None:
+        return mesh
+    _refuse_two_shard_names(names)
+    shard = tuple(n for n in names if n in _SHARD_DIMS)
+    replicate = ("dp_replicate",) if "dp_replicate" in names else ()
+    if not shard and not replicate:
+        return unit_dp_mesh(mesh)
+    if not shard:
+        sub = mesh if names == replicate else mesh["dp_replicate"]
+        return sub._unflatten(0, (sub.size(), 1), ("dp_replicate", _REPLICATE_ONLY_SHARD))
+    if len(shard) > 1:
+        flat = mesh[shard]._flatten(_FLAT_SHARD)
+        if not replicate:
+            return flat  # kept as returned: torch deprecates slicing a flattened dim from the root
+        shard = (_FLAT_SHARD,)
+    dims = replicate + shard
+    if dims == tuple(names):
+        return mesh
+    return mesh[dims[0]] if len(dims) == 1 else mesh[dims]
+
+
+def unit_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """A data-parallel mesh of one rank for a mesh that has none (``tp``
+    alone, say), derived from ``mesh`` itself: FSDP then only applies its
+    mixed-precision and offload policies, and a TP DTensor parameter's mesh
+    and this one share a root, as FSDP2 requires of 2-D parameters. Every
+    rank derives it alike, as it must: deriving a mesh may set up its
+    groups collectively."""
+    names = mesh.mesh_dim_names or ("dp",)
+    return mesh._unflatten(0, (1, mesh.shape[0]), ("dp_shard", names[0]))["dp_shard"]
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The ``tp`` submesh, or None when there is none (or it has one rank)."""
+    names = _names(mesh, KNOWN_DIMS, "device_mesh")
+    if "tp" not in names or mesh.shape[names.index("tp")] == 1:
+        return None
+    return mesh if names == ("tp",) else mesh["tp"]
+
+
+def moe_dp_dims(moe_mesh: DeviceMesh, device_mesh: DeviceMesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``moe_mesh``'s dim names and its data-parallel ones, checked against
+    ``device_mesh``: both must span the same ranks (a MoE mesh is another
+    view of the same world, not a subset of it)."""
+    names = _names(moe_mesh, _MOE_KNOWN, "moe_mesh")
+    if moe_mesh.size() != device_mesh.size():
+        raise ValueError(
+            f"moe_mesh spans {moe_mesh.size()} ranks ({dict(zip(names, moe_mesh.shape))}) but device_mesh "
+            f"spans {device_mesh.size()}; build both over the same world"
+        )
+    dims = tuple(n for n in names if n in MOE_DP_DIMS)
+    if not dims:
+        raise ValueError(
+            f"moe_mesh {dict(zip(names, moe_mesh.shape))} has no data-parallel dim "
+            f"(one of {', '.join(MOE_DP_DIMS)}) to shard experts over"
+        )
+    return names, dims
+
+
+def moe_fsdp_mesh(moe_mesh: DeviceMesh, device_mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dims of ``moe_mesh``, over which expert units shard."""
+    names, dims = moe_dp_dims(moe_mesh, device_mesh)
+    sub = moe_mesh if dims == names else moe_mesh[dims if len(dims) > 1 else dims[0]]
+    # Several data-parallel dims are flattened into one: experts are fully
+    # sharded across all of them (no replicate dim for experts).
+    return sub if len(dims) == 1 else sub._flatten("moe_dp")

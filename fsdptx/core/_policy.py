@@ -1,0 +1,95 @@
+"""Mixed-precision policy cloning. Policies are frozen; these never mutate input.
+
+``None`` means "mixed precision disabled" throughout fsdptx.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ._args import require_dtype
+
+__all__ = ["check_policy_dtypes", "get_internal_fsdp_mp_policy", "keep_storage_policy", "mp_policy_with_param_dtype", "primitive_policy"]
+
+
+def mp_policy_with_param_dtype(
+    mp_policy: MixedPrecisionPolicy | None, param_dtype: torch.dtype
+) -> MixedPrecisionPolicy | None:
+    """Clone ``mp_policy`` so its unit computes in ``param_dtype``.
+
+    For fp32 the clone also reduces in fp32 (an intrinsically-fp32 parameter's
+    gradient must not round-trip through bf16) and does not cast forward
+    inputs: an fp32 module casts its own inputs, and a cast at a nested FSDP
+    boundary would run again in an activation-checkpoint recompute and make it
+    disagree with the original forward. ``output_dtype`` is kept; callers that
+    build internal units clear it with :func:`get_internal_fsdp_mp_policy`.
+    ``param_dtype`` must be a floating ``torch.dtype``; checked even when
+    ``mp_policy`` is ``None``, so a wrong call fails on every path.
+    """
+    require_dtype(param_dtype, "param_dtype", "mp_policy_with_param_dtype")
+    if not param_dtype.is_floating_point:
+        raise ValueError(f"mp_policy_with_param_dtype: param_dtype must be a floating dtype, got {param_dtype}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy_with_param_dtype: mp_policy must be a MixedPrecisionPolicy or None, got {mp_policy!r}")
+    if mp_policy is None:
+        return None
+    if param_dtype == torch.float32:
+        return dataclasses.replace(
+            mp_policy,
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+            cast_forward_inputs=False,
+        )
+    return dataclasses.replace(mp_policy, param_dtype=param_dtype)
+
+
+def keep_storage_policy(mp_policy: MixedPrecisionPolicy | None) -> MixedPrecisionPolicy | None:
+    """Clone ``mp_policy`` so its unit casts nothing: parameters compute
+    and gradients reduce in their storage dtype. For units of integer, bool
+    or complex parameters, which a floating ``param_dtype`` would truncate
+    (or strip of the imaginary part)."""
+    if mp_policy is None:
+        return None
+    return dataclasses.replace(mp_policy, param_dtype=None, reduce_dtype=None)
+
+
+def get_internal_fsdp_mp_policy(
+    mp_policy: MixedPrecisionPolicy | None,
+) -> MixedPrecisionPolicy | None:
+    """Clone ``mp_policy`` without an external ``output_dtype``.
+
+    Units nested inside an enclosing module's forward (dtype-specific children,
+    cross-block holders) may feed an unwrapped sibling before any other cast;
+    they return their natural dtype and only the enclosing boundary applies
+    the caller's ``output_dtype``.
+    """
+    if mp_policy is None:
+        return None
+    return dataclasses.replace(mp_policy, output_dtype=None)
+
+
+def primitive_policy(mp_policy: MixedPrecisionPolicy | None) -> MixedPrecisionPolicy:
+    """The object handed to ``fully_shard``: it wants a policy, never ``None``
+    (``None`` is accepted at construction and fails at the first forward)."""
+    return MixedPrecisionPolicy() if mp_policy is None else mp_policy
+
+
+def check_policy_dtypes(policy: MixedPrecisionPolicy | None, where: str) -> None:
+    """Refuse a policy whose ``param_dtype``, ``reduce_dtype`` or
+    ``output_dtype`` is not a floating dtype: FSDP2 would cast parameters,
+    gradients or outputs to an integer or bool dtype, which no training
+    wants and which fails (or silently truncates) long after construction."""
+    if policy is None:
+        return
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        value = getattr(policy, name)
+        if value is None:
+            continue
+        if not isinstance(value, torch.dtype) or not value.is_floating_point:
+            raise ValueError(
+                f"{where}: mp_policy.{name} must be a floating dtype (torch.bfloat16, torch.float16, "
+                f"torch.float32) or None, got {value!r}"
+            )

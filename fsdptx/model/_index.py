@@ -1,0 +1,338 @@
+"""The model index: FQN <-> object tables built from one walk, and the
+model's blocks (discovered from its declarations or named by a spec).
+
+Planning, TP and applying all read one :class:`ModelIndex` per call."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from ..core._globs import WRAPPER_SEGMENTS, innermost, match_logical, unwrap
+from ..core._tree import get_module_from_path, join_fqn
+from ._unit_checks import is_container
+from ._walk import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
+
+__all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_blocks"]
+
+class PlanningError(ValueError):
+    """A request cannot be planned for this model; raised before any mutation."""
+
+
+def unwrap_checkpoint(module: nn.Module) -> nn.Module:
+    """Look through activation-checkpoint and ``torch.compile`` wrappers."""
+    return unwrap(module)
+
+
+@dataclass
+class ModelIndex:
+    """FQN <-> object tables for one model, built from one :func:`walk_model`.
+
+    A tied parameter's canonical FQN is the name its model declares as the
+    tie's source (Hugging Face ``_tied_weights_keys``: ``{target: source}``,
+    or a list of target names), else its smallest name (plain string order).
+    Both are rank-stable: neither depends on registration order. ``aliases``
+    keeps its other names, because a pinned-fp32 token may appear in any.
+    ``walk`` is kept: its signature is what a Plan vouches for.
+    """
+
+    root: nn.Module
+    walk: ModelWalk
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    param_fqn: dict[int, str] = field(default_factory=dict)
+    param_objects: list[nn.Parameter] = field(default_factory=list)
+    first_slots: list[int] = field(default_factory=list)  # per param object: its first slot in the walk
+    aliases: dict[int, list[str]] = field(default_factory=dict)
+    sharded: set[int] = field(default_factory=set)
+    # Read by the survey instead of the modules' own dicts, which a large
+    # model no longer holds in the CPU caches once walked: per walk position,
+    # the end of its subtree in pre-order (exclusive; exact on a tree) and
+    # its first parameter slot (one more entry closes the last module's
+    # slots); per slot, its parameter's canonical FQN.
+    # Per walk position, the module's FQN and class (the class as the walk's
+    # signature recorded it): the class is read without touching the module.
+    module_fqns: list[str] = field(default_factory=list)
+    module_types: list[type] = field(default_factory=list)
+    subtree_end: list[int] = field(default_factory=list)
+    slot_start: list[int] = field(default_factory=list)
+    slot_fqn: list[str] = field(default_factory=list)
+
+    @property
+    def shared_modules(self) -> bool:
+        """Whether some module is registered under two parents."""
+        return self.walk.shared_modules
+
+    @classmethod
+    def build(cls, root: nn.Module, *, enter_sharded: bool = True) -> ModelIndex:
+        """Index ``root``; ``enter_sharded=False`` leaves out what FSDP
+        modules below it hold (see :func:`walk_model`)."""
+        return cls.from_walk(root, walk_model(root, enter_sharded=enter_sharded))
+
+    @classmethod
+    def from_walk(cls, root: nn.Module, walk: ModelWalk) -> ModelIndex:
+        """Index ``root`` from its walk, taken a moment ago."""
+        index = cls(root, walk)
+        modules, parents, names = walk.modules, walk.parents, walk.names
+        fqns = [""] * len(modules)
+        for i in range(1, len(modules)):
+            up = fqns[parents[i]]
+            fqns[i] = f"{up}.{names[i]}" if up else names[i]
+        index.modules = dict(zip(fqns, modules))
+        index.module_fqns = fqns
+        types = index.module_types = walk.types
+        fsdp = {t for t in set(types) if issubclass(t, FSDPModule)}
+        if fsdp:
+            index.sharded = {id(m) for m, t in zip(modules, types) if t in fsdp}
+        param_fqn, objects, first, aliases = index.param_fqn, index.param_objects, index.first_slots, index.aliases
+        slot_fqn = index.slot_fqn
+        start = [0] * (len(modules) + 1)
+        for slot, (owner, name, p) in enumerate(zip(walk.owners, walk.slot_names, walk.params)):
+            start[owner + 1] += 1
+            up = fqns[owner]
+            fqn = f"{up}.{name}" if up else name
+            slot_fqn.append(fqn)
+            pid = id(p)
+            known = param_fqn.get(pid)
+            if known is None:
+                param_fqn[pid] = fqn
+                objects.append(p)
+                first.append(slot)
+            else:
+                # Canonical is the smallest name, as in rank-stable order:
+                # registration order may differ between ranks.
+                smaller, other = sorted((known, fqn))
+                param_fqn[pid] = smaller
+                aliases.setdefault(pid, []).append(other)
+        if aliases:
+            index._prefer_declared_tie_sources()
+            index.slot_fqn = [param_fqn[id(p)] for p in walk.params]  # every slot under its canonical name
+        for i in range(len(modules)):
+            start[i + 1] += start[i]
+        end = list(range(1, len(modules) + 1))
+        for i in range(len(modules) - 1, 0, -1):  # children follow their parent in pre-order
+            above = parents[i]
+            if end[above] < end[i]:
+                end[above] = end[i]
+        index.subtree_end = end
+        index.slot_start = start
+        return index
+
+    def _prefer_declared_tie_sources(self) -> None:
+        """Rename tied parameters after the source their model declares.
+
+        A reader of a plan looks for ``model.embed_tokens.weight`` (what the
+        checkpoint stores and the model calls the source), not whichever alias
+        sorts first (``lm_head.weight``). Only exact parameter names count;
+        pattern-style declarations name no parameter and fall back to the
+        smallest name.
+        """
+        sources: dict[str, str] = {}  # target FQN -> source FQN
+        targets: set[str] = set()
+        for fqn, module in self.modules.items():
+            prefix = fqn + "." if fqn else ""
+            for attr in TIE_ATTRIBUTES:
+                declared = declared_ties(module, attr)
+                if isinstance(declared, dict):
+                    sources.update(
+                        (prefix + t, prefix + s) for t, s in declared.items() if isinstance(t, str) and isinstance(s, str)
+                    )
+                elif isinstance(declared, (list, tuple, set, frozenset)):
+                    targets.update(prefix + t for t in declared if isinstance(t, str))
+        if not sources and not targets:
+            return
+        for pid, others in self.aliases.items():
+            names = sorted((self.param_fqn[pid], *others))
+            named = set(names)
+            declared_sources = sorted(sources[n] for n in names if sources.get(n) in named)
+            untargeted = [n for n in names if n not in targets] if named & targets else []
+            preferred = (declared_sources or untargeted or names)[0]
+            self.param_fqn[pid] = preferred
+            self.aliases[pid] = [n for n in names if n != preferred]
+
+    @functools.cached_property
+    def param_facts(self) -> dict[int, tuple[torch.dtype, int, int, object, bool]]:
+        """Per parameter id: (storage dtype, numel, bytes, ``_hf_compute_dtype``
+        hint, requires_grad), read once for all of planning; dtype and
+        ``requires_grad`` as the walk's signature recorded them."""
+        facts = {}
+        read = self.walk.facts
+        for p, slot in zip(self.param_objects, self.first_slots):
+            dtype, grad, _ndim = read[slot]
+            n = p.numel()
+            facts[id(p)] = (dtype, n, n * dtype.itemsize, getattr(p, "_hf_compute_dtype", None), grad)
+        return facts
+
+    def fqn_of(self, module: nn.Module) -> str:
+        """The FQN of a module of the model (``KeyError`` for any other)."""
+        return self.module_fqns[self.walk.position[id(module)]]
+
+    @functools.cached_property
+    def fqn_of_module(self) -> dict[int, str]:
+        """Module id -> FQN, for lookups that may miss (built on first use)."""
+        return {id(m): f for m, f in zip(self.walk.modules, self.module_fqns)}
+
+    def direct_param_fqns(self, fqn: str) -> list[str]:
+        """Canonical FQNs of the direct parameters of module ``fqn``, from
+        the walk's slots: reading the module's ``_parameters`` again would
+        touch memory a large model has long evicted from the CPU caches."""
+        at = self.walk.position[id(self.modules[fqn])]
+        return self.slot_fqn[self.slot_start[at] : self.slot_start[at + 1]]
+
+    def has_param(self, fqn: str) -> bool:
+        """Whether ``fqn`` is the canonical name of a parameter (a key of
+        :attr:`params`), answered from the slots of its module alone."""
+        module_fqn = fqn.rpartition(".")[0]
+        return module_fqn in self.modules and fqn in self.direct_param_fqns(module_fqn)
+
+    @property
+    def tied(self) -> bool:
+        """Whether some parameter has two names."""
+        return bool(self.aliases)
+
+    @functools.cached_property
+    def params(self) -> dict[str, nn.Parameter]:
+        """Canonical FQN -> parameter (built on first use), from the slot lists
+        rather than ``param_fqn``: sequential reads, no hashing of ids."""
+        slot_fqn = self.slot_fqn
+        return dict(zip([slot_fqn[s] for s in self.first_slots], self.param_objects))
+
+    def param_named(self, fqn: str) -> nn.Parameter | None:
+        """The parameter called ``fqn`` under its canonical name or an alias."""
+        found = self.params.get(fqn)
+        if found is None and self.aliases:
+            found = next(
+                (p for p in self.param_objects if fqn in self.aliases.get(id(p), ())), None
+            )
+        return found
+
+    def names(self, p: nn.Parameter) -> list[str]:
+        """Every FQN of ``p``, canonical first."""
+        return [self.param_fqn[id(p)], *self.aliases.get(id(p), ())]
+
+    @functools.cached_property
+    def by_logical(self) -> dict[str, str]:
+        """Logical FQN (wrapper segments removed) -> the innermost module's
+        real FQN, in walk order (see :mod:`fsdptx.core._globs`)."""
+        return innermost(self.module_fqns)
+
+    def match(self, pattern: str) -> list[str]:
+        """Real FQNs of the modules a one-segment-per-``*`` glob matches,
+        wrappers seen through; the root never matches."""
+        return match_logical(pattern, self.by_logical)
+
+    @functools.cached_property
+    def blocks(self) -> tuple[str, ...]:
+        """The blocks :func:`discover_blocks` finds, computed once per index."""
+        return discover_blocks(self.root, self)
+
+    def module(self, fqn: str, what: str) -> nn.Module:
+        found = self.modules.get(fqn)
+        if found is None:
+            try:
+                get_module_from_path(self.root, fqn)
+            except AttributeError as e:
+                raise PlanningError(f"{what}: {e}") from None
+            raise PlanningError(f"{what}: module {fqn!r} is not reachable from the model root")
+        return found
+
+
+def _natural(fqn: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key reading index segments as numbers: ``layers.2`` before ``layers.10``."""
+    return tuple((0, int(seg)) if seg.isdigit() else (1, seg) for seg in fqn.split("."))
+
+
+def _declared_names(model: nn.Module, attribute: str) -> tuple[str, ...]:
+    """Class names a model declares: a bare string is one name (not its
+    letters); anything else must be a collection of strings."""
+    value = getattr(model, attribute, None)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(
+            f"{type(model).__name__}.{attribute} must be a list of class names, got {value!r}"
+        )
+    return tuple(value)
+
+
+def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[str, ...]:
+    """The model's repeated blocks, by the conventions models already declare.
+
+    ``_no_split_modules`` class names (Hugging Face's marker for "keep this
+    module whole") win; a block wrapped for activation checkpointing or by
+    ``torch.compile`` is taken with its wrapper. Otherwise the children of
+    the ``nn.ModuleList`` or ``nn.ModuleDict`` holding the most children of
+    one class (torchtitan keeps its blocks in a ``ModuleDict``), when that
+    is at least two. Matches nested inside another match are not blocks of
+    their own. Blocks come in index order (``layers.2`` before
+    ``layers.10``), not registration order, so every rank lists them alike.
+    An empty result means none was found: callers say so.
+    """
+    idx = index or ModelIndex.build(model)
+    class_names = set(_declared_names(model, "_no_split_modules"))
+    if class_names:
+        found = _blocks_of_classes(idx, class_names)
+        if found:
+            return found
+    best: tuple[int, str, nn.Module] | None = None
+    for fqn, cls, module in zip(idx.module_fqns, idx.module_types, idx.walk.modules):
+        if not issubclass(cls, (nn.ModuleList, nn.ModuleDict)) or not is_container(module):
+            continue  # a list class with a forward of its own is a module, not a stack
+        classes = Counter(type(unwrap(c)) for c in module._modules.values() if c is not None)
+        score = max(classes.values(), default=0)
+        if score >= 2 and (best is None or score > best[0]):
+            best = (score, fqn, module)
+    if best is None:
+        return ()
+    return tuple(join_fqn(best[1], n) for n, c in best[2]._modules.items() if c is not None)
+
+
+def _outermost(fqn: str) -> str:
+    """The FQN of the outermost wrapper around ``fqn``'s module."""
+    while fqn.rpartition(".")[2] in WRAPPER_SEGMENTS:
+        fqn = fqn.rpartition(".")[0]
+    return fqn
+
+
+def _blocks_of_classes(idx: ModelIndex, class_names: Collection[str]) -> tuple[str, ...]:
+    """Modules whose class is one of ``class_names`` (wrappers seen
+    through), outermost first, in index order."""
+    found: list[str] = []
+    for fqn, cls in zip(idx.module_fqns, idx.module_types):
+        if cls.__name__ not in class_names or not fqn:
+            continue
+        fqn = _outermost(fqn)
+        if fqn and not any(fqn == f or fqn.startswith(f + ".") for f in found[-1:]):
+            found.append(fqn)
+    return tuple(sorted(found, key=_natural))
+
+
+def resolve_blocks(spec: Sequence[str], index: ModelIndex, where: str) -> tuple[str, ...]:
+    """Blocks named by ``spec``: each entry an exact module FQN, a class
+    name (``"LlamaDecoderLayer"``), or a glob with one segment per ``*``
+    (``"layers.*"``), wrappers seen through. An entry matching nothing is an
+    error naming it; the result keeps the entries' order, each entry's
+    matches in index order."""
+    out: list[str] = []
+    classes = {t.__name__ for t in set(index.module_types)}
+    for entry in spec:
+        if entry in index.modules:
+            matched: tuple[str, ...] = (entry,)
+        elif "." not in entry and "*" not in entry and entry in classes:
+            matched = _blocks_of_classes(index, (entry,))
+        else:
+            matched = tuple(sorted({_outermost(f) for f in index.match(entry)}, key=_natural))
+        if not matched:
+            raise PlanningError(
+                f"{where}: blocks entry {entry!r} matches no module of {type(index.root).__name__} "
+                "(give module FQNs, a block class name, or globs such as 'layers.*')"
+            )
+        out.extend(m for m in matched if m not in out)
+    return tuple(out)

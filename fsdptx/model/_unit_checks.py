@@ -1,0 +1,47 @@
+"""What ``fully_shard`` would refuse in a unit on its own: its settings and
+its modules. Both the full check and vouching read these, so a plan is only
+vouched for when the primitive would accept every unit as it stands. (The
+settings check reads a plan Unit, so it is in the plan layer:
+:func:`fsdptx.plan._vouch.settings_problems`.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+__all__ = ["container_classes", "is_container", "module_problems"]
+
+
+def is_container(module: nn.Module) -> bool:
+    """``fully_shard`` rejects ModuleList/ModuleDict that do not define forward."""
+    return (
+        isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        and type(module).forward is nn.Module.forward
+    )
+
+
+def container_classes(types: Iterable[type]) -> frozenset[tuple[type, bool]]:
+    """Each ModuleList/ModuleDict class among ``types`` with whether it is a
+    container (:func:`is_container`). That depends on the class's
+    ``forward``, which a patch may add or remove after a class was seen:
+    whatever is derived from classes by identity keeps this next to them."""
+    return frozenset(
+        (t, t.forward is nn.Module.forward) for t in set(types) if issubclass(t, (nn.ModuleList, nn.ModuleDict))
+    )
+
+
+def module_problems(i: int, fqns: tuple[str, ...], mods: list[nn.Module]) -> list[str]:
+    """A unit module must not be an FSDP module already, nor a container
+    without forward (which ``fully_shard`` rejects)."""
+    problems = []
+    for fqn, m in zip(fqns, mods):
+        if isinstance(m, FSDPModule):
+            problems.append(f"unit {i}: module {fqn!r} is already sharded (an FSDP module)")
+        elif is_container(m):
+            problems.append(
+                f"unit {i}: module {fqn!r} is a {type(m).__name__} without forward, which "
+                "fully_shard rejects; plan its elements instead"
+            )
+    return problems

@@ -1,0 +1,479 @@
+"""The Plan: immutable, comparable, printable description of how to shard a model.
+
+A Plan names modules and parameters by FQN only (never by object), so it can be
+built without touching the model, compared in tests, printed for review, and
+applied later by :func:`fsdptx.apply_plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor.parallel import ParallelStyle
+
+__all__ = [
+    "Checkpointing",
+    "CrossBlockRequest",
+    "DtypeRequest",
+    "Plan",
+    "Prefetch",
+    "REDUCTIONS",
+    "Reduction",
+    "StreamStep",
+    "TPAssignment",
+    "TensorParallel",
+    "Unit",
+    "UnitKind",
+    "UnitMesh",
+]
+
+Reduction = Literal["mean", "sum"]
+REDUCTIONS: tuple[Reduction, ...] = ("mean", "sum")
+UnitKind = Literal["cross-block", "dtype", "block", "expert", "root"]
+# Which mesh a unit shards over: the dense data-parallel mesh, or the MoE
+# mesh's data-parallel dims (expert modules, whose ranks are laid out for
+# expert parallelism).
+UnitMesh = Literal["dp", "moe"]
+CheckpointMode = Literal["full", "selective"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit: one call of the sharding primitive.
+
+    ``modules`` has one FQN for an ordinary unit and several for a unit that
+    spans modules (one ``fully_shard([...])`` call, one parameter group).
+    ``params`` are the parameter FQNs the unit will own: exactly what the
+    primitive claims given ``ignored_params`` and the units applied before it.
+    """
+
+    modules: tuple[str, ...]
+    params: tuple[str, ...]
+    ignored_params: tuple[str, ...]
+    kind: UnitKind
+    storage_dtype: torch.dtype | None
+    compute_dtype: torch.dtype | None
+    mp_policy: MixedPrecisionPolicy | None
+    # torch's offload policies are mutable dataclasses, so unhashable: they
+    # count for equality but not for the hash (equal plans still hash alike).
+    offload_policy: OffloadPolicy | None = field(hash=False)
+    reshard_after_forward: bool | int | None
+    numel: int
+    nbytes: int
+    mesh: UnitMesh = "dp"
+    # Why the planner chose what a reader would not expect from the policy
+    # alone (e.g. "fp32: intrinsic, bfloat16 bulk"; "gathered: holder may
+    # return its parameter"); shown in str(plan).
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DtypeRequest:
+    """What :func:`fsdptx.shard_by_dtype` asked for, kept in the Plan so that a
+    later transform that claims parameters (``shard_across_blocks``) can
+    re-resolve the dtype units; this is what makes ``compose`` order-free."""
+
+    targets: tuple[str, ...]
+    fp32_compute_module_names: tuple[str, ...]
+    ignored_params: tuple[str, ...]
+    reshard_after_forward: bool | int | None
+    # The model root ("") always gets a unit in a pipeline: FSDP2's root unit
+    # drives lazy init and owns what no block owns. A single module sharded by
+    # fully_shard_by_dtype is not the model root and gets one only if needed.
+    always_shard_root: bool = True
+
+
+@dataclass(frozen=True)
+class CrossBlockRequest:
+    """What :func:`fsdptx.shard_across_blocks` asked for: one unit per name
+    in ``names``, spanning that submodule of every block in ``blocks``."""
+
+    blocks: tuple[str, ...]
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TPAssignment:
+    """One module's tensor-parallel style, resolved from a pattern of the
+    request to a concrete module FQN. ``style`` is the readable name the Plan
+    shows and compares; ``parallel_style`` is the torch object handed to
+    ``parallelize_module`` (torch styles define no equality, so it is not
+    part of the Plan's value)."""
+
+    module: str
+    style: str
+    pattern: str
+    parallel_style: ParallelStyle = field(compare=False, repr=False, hash=False)
+
+
+@dataclass(frozen=True)
+class StreamStep:
+    """One module on the residual stream, in forward order, as the
+    sequence-layout pass saw it: its role (``embedding``, ``block``,
+    ``norm``, ``region``, ``holder``, ``head``), the layout it receives and
+    hands on (``whole``, ``Shard(1)``, ``Shard(-1) vocab``; ``DTensor`` when
+    it is one), and the boundary the pass added there, if any."""
+
+    module: str
+    role: str
+    takes: str
+    gives: str
+    added: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What :func:`fsdptx.tensor_parallel` asked for: one assignment per
+    module, in FQN order. ``skipped`` lists declared entries that are not
+    applied as a torch style (pattern, style, why): for example Hugging
+    Face's ``replicated_with_grad_allreduce``, which becomes a TP-replica
+    reduction mark instead. ``stream`` is the residual stream's layout at
+    each module, in forward order; ``loss_parallel`` whether the head keeps
+    its logits vocabulary-sharded."""
+
+    assignments: tuple[TPAssignment, ...]
+    sequence_parallel: bool
+    skipped: tuple[tuple[str, str, str], ...] = ()
+    loss_parallel: bool = False
+    stream: tuple[StreamStep, ...] = ()
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Activation checkpointing requested for ``modules`` (the blocks)."""
+
+    mode: CheckpointMode
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Explicit FSDP prefetch chain of one unit (named by its first module):
+    which units it all-gathers ahead of time in forward and in backward."""
+
+    unit: str
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+
+
+class FrozenReductions(Mapping[str, Reduction]):
+    """Parameter FQN -> reduction, immutable, in FQN order; unlike a
+    ``MappingProxyType`` it pickles and deep-copies, so a Plan can be sent
+    between processes or kept for later."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, Reduction] | None = None) -> None:
+        self._items: dict[str, Reduction] = dict(sorted((items or {}).items()))
+        # Refused here, where every Plan's marks pass: a typo such as "max"
+        # would otherwise be synchronized as some other reduction.
+        bad = {k: v for k, v in self._items.items() if v not in REDUCTIONS}
+        if bad:
+            raise ValueError(f"unknown TP-replica reduction(s) {bad}; each must be one of {REDUCTIONS}")
+
+    def __getitem__(self, key: str) -> Reduction:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    # The dict's own read-only views: Mapping's generic ones look every
+    # key up again, and apply_plan reads every mark of a large plan.
+    def items(self) -> ItemsView[str, Reduction]:
+        return self._items.items()
+
+    def keys(self) -> KeysView[str]:
+        return self._items.keys()
+
+    def values(self) -> ValuesView[Reduction]:
+        return self._items.values()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._items.items()))
+
+    def __repr__(self) -> str:
+        return f"FrozenReductions({self._items!r})"
+
+    def __reduce__(self) -> tuple[type[FrozenReductions], tuple[dict[str, Reduction]]]:
+        return (FrozenReductions, (self._items,))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Immutable result of planning; ``units`` are in application order
+    (children before parents). ``reductions`` maps parameter FQN to its
+    TP-replica gradient reduction; ``exclusions`` are module FQNs whose subtree
+    stays rank-local. ``mp_policy``/``offload_policy``/``reshard_after_forward``
+    are the defaults transforms start from (``None`` policy: mixed precision
+    disabled)."""
+
+    units: tuple[Unit, ...] = ()
+    reductions: Mapping[str, Reduction] = field(default_factory=FrozenReductions)
+    exclusions: tuple[str, ...] = ()
+    mp_policy: MixedPrecisionPolicy | None = None
+    offload_policy: OffloadPolicy | None = field(default=None, hash=False)
+    reshard_after_forward: bool | int | None = None
+    dtype_request: DtypeRequest | None = None
+    cross_block_requests: tuple[CrossBlockRequest, ...] = ()
+    tensor_parallel: TensorParallel | None = None
+    checkpointing: Checkpointing | None = None
+    prefetch: tuple[Prefetch, ...] = ()
+    # Refinement for context parallelism: a CP rank may not use every
+    # parameter, so units reduce-scatter zeros for unused ones (no hang).
+    reduce_unused_params: bool = False
+    # Module FQN globs of expert modules, sharded over the MoE mesh.
+    expert_modules: tuple[str, ...] = ()
+    # What a reader must know before trusting the plan (no blocks found,
+    # say); str(plan) prints these first and FSDP2Manager logs them.
+    warnings: tuple[str, ...] = ()
+    # Read-only index of the model being planned, shared by the transforms of
+    # one fsdptx.plan() call so the model is walked once; plan() drops it
+    # before returning. Not part of the Plan's value.
+    scratch: object | None = field(default=None, compare=False, repr=False)
+    # What planning vouches for (fsdptx.plan._vouch.Vouched): the
+    # signature of the model these very units were resolved against, so
+    # apply_plan can skip re-deriving their claims while the model is
+    # unchanged. Not part of the Plan's value; new units drop its use.
+    verified: object | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "units", tuple(self.units))
+        object.__setattr__(self, "exclusions", tuple(self.exclusions))
+        object.__setattr__(self, "prefetch", tuple(self.prefetch))
+        if not isinstance(self.reductions, FrozenReductions):
+            object.__setattr__(self, "reductions", FrozenReductions(self.reductions))
+
+    def __getstate__(self) -> dict[str, object]:
+        """Copies and pickles leave ``scratch`` and ``verified`` behind: both
+        refer to live objects of this process, so a copy is checked in full."""
+        return {**self.__dict__, "scratch": None, "verified": None}
+
+    def replace(self, **changes: object) -> Plan:
+        """A copy with ``changes``; the Plan itself never changes."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def owned_params(self) -> dict[str, int]:
+        """Parameter FQN -> index of the unit that owns it."""
+        return {p: i for i, u in enumerate(self.units) for p in u.params}
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+
+def preview(items: Sequence[str], n: int = 3) -> str:
+    """The first ``n`` names for an error message, and how many there are."""
+    shown = ", ".join(repr(i) for i in items[:n])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def marks_under_exclusions(
+    reductions: Mapping[str, Reduction], exclusions: tuple[str, ...], experts: tuple[str, ...] = ()
+) -> str | None:
+    """The problem, if any, of reduction marks on parameters inside
+    excluded modules: TP-replica sync skips excluded subtrees, so such a
+    mark would silently never be applied (a ``sum`` that sequence
+    parallelism derives for experts the expert exclusion keeps rank-local,
+    say), and the replicas would drift apart."""
+    if not exclusions or not reductions:
+        return None
+    excluded = set(exclusions)
+    found: list[str] = []
+    inside: dict[str, None] = {}
+    for name in reductions:
+        prefixes = [name.rpartition(".")[0]]
+        while prefixes[-1]:
+            prefixes.append(prefixes[-1].rpartition(".")[0])
+        hit = next((m for m in prefixes if m in excluded), None)
+        if hit is not None:
+            found.append(name)
+            inside[hit] = None
+    if not found:
+        return None
+    problem = (
+        f"parameters {preview(found)} carry TP-replica reduction marks but lie in {preview(list(inside))}, "
+        "which the plan excludes from "
+        "TP-replica sync, so the marks would never be applied; drop the marks or the exclusions"
+    )
+    if set(inside) & set(experts):
+        problem += (
+            ". Expert modules are excluded (their shards may differ between TP ranks); under sequence "
+            "parallelism their TP replicas see different tokens and would need a sum that fsdptx does not apply "
+            "to experts: use sequence_parallel=False for such a model"
+        )
+    return problem
+
+
+def reshards_after_forward(unit: Unit) -> bool:
+    """Whether FSDP2 will free the unit's gathered parameters after forward
+    (and gather them again for backward). ``None`` is FSDP2's default: True,
+    except for the FSDP root (the model root ``""``), which keeps them since
+    backward needs them at once. An int is a group size to reshard to; FSDP2
+    turns ``1`` into False."""
+    r = unit.reshard_after_forward
+    if r is None:
+        return unit.modules != ("",)
+    if isinstance(r, bool):
+        return r
+    return r != 1
+
+
+def _dtype_name(d: torch.dtype | None) -> str:
+    return "-" if d is None else str(d).removeprefix("torch.")
+
+
+def summarize_modules(modules: tuple[str, ...]) -> str:
+    """``layers.0.attn.sinks`` .. ``layers.39.attn.sinks`` -> ``layers.*.attn.sinks (x40)``."""
+    if len(modules) == 1:
+        return modules[0] or "<root>"
+    patterns = {re.sub(r"(?<![^.])\d+(?![^.])", "*", m) for m in modules}
+    if len(patterns) == 1:
+        return f"{patterns.pop()} (x{len(modules)})"
+    return f"{modules[0]} +{len(modules) - 1} more"
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_plan(plan: Plan) -> str:
+    """Render the plan as a fixed-width table, one row per unit in order."""
+    header: tuple[str, ...] = ("#", "kind", "modules", "storage->compute", "params", "numel", "bytes", "reshard")
+    why = any(u.reasons for u in plan.units)
+    if why:
+        header += ("why",)
+    rows = [header]
+    for i, u in enumerate(plan.units):
+        row: tuple[str, ...] = (
+            str(i),
+            u.kind,
+            summarize_modules(u.modules),
+            "-" if u.storage_dtype is None else f"{_dtype_name(u.storage_dtype)}->{_dtype_name(u.compute_dtype)}",
+            str(len(u.params)),
+            f"{u.numel:,}",
+            _human_bytes(u.nbytes),
+            _reshard_cell(u),
+        )
+        rows.append(row + ("; ".join(u.reasons),) if why else row)
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    lines = [f"warning: {w}" for w in plan.warnings]
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    table.insert(1, "  ".join("-" * w for w in widths))
+    lines.extend(table)
+    total = sum(u.nbytes for u in plan.units)
+    lines.append(f"{len(plan.units)} units, {_human_bytes(total)} of parameters")
+    if any(u.mesh != "dp" for u in plan.units):
+        moe = [i for i, u in enumerate(plan.units) if u.mesh == "moe"]
+        lines.append(f"sharded over the MoE mesh: units {_ranges(moe)}; all others over the dense mesh")
+    lines.extend(_format_requests(plan))
+    if plan.reductions:
+        counts = {r: sum(1 for v in plan.reductions.values() if v == r) for r in REDUCTIONS}
+        lines.append(
+            "tp-replica reductions: "
+            + ", ".join(f"{n} {r}" for r, n in counts.items() if n)
+            + " (unmarked replicated params: mean)"
+        )
+    if plan.exclusions:
+        lines.append("excluded from tp-replica sync: " + ", ".join(plan.exclusions))
+    return "\n".join(lines)
+
+
+def _reshard_cell(u: Unit) -> str:
+    r = u.reshard_after_forward
+    if type(r) is int and r > 1:
+        return f"to {r} ranks"
+    return str(reshards_after_forward(u))
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    start = prev = None
+    for i in indices + [None]:  # type: ignore[list-item]
+        if start is not None and (i is None or i != prev + 1):  # type: ignore[operator]
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if i is not None and start is None:
+            start = i
+        prev = i
+    return ", ".join(out)
+
+
+def _collapse(fqns: tuple[str, ...]) -> list[str]:
+    """FQNs grouped by their pattern with indices as ``*``, each with a count."""
+    groups: dict[str, list[str]] = {}
+    for f in fqns:
+        groups.setdefault(re.sub(r"(?<![^.])\d+(?![^.])", "*", f), []).append(f)
+    return [summarize_modules(tuple(g)) if len(g) > 1 else g[0] or "<root>" for g in groups.values()]
+
+
+def _format_stream(steps: tuple[StreamStep, ...]) -> list[str]:
+    """The residual stream in forward order, one row per pattern (block
+    indices as ``*``): what each module receives and hands on, and what
+    the sequence-layout pass added there."""
+    if not steps:
+        return []
+    rows: dict[tuple[str, str, str, str, str], list[str]] = {}
+    for s in steps:
+        key = (re.sub(r"(?<![^.])\d+(?![^.])", "*", s.module) or "<root>", s.role, s.takes, s.gives, s.added or "")
+        rows.setdefault(key, []).append(s.module or "<root>")
+    # A pattern stands for several modules; a single module shows as itself.
+    shown = {key: key[0] if len(mods) > 1 else mods[0] for key, mods in rows.items()}
+    width = max(map(len, shown.values()))
+    out = ["  stream (forward order): module  role  receives -> hands on  [added]"]
+    for key, mods in rows.items():
+        _pattern, role, takes, gives, added = key
+        count = f" (x{len(mods)})" if len(mods) > 1 else ""
+        extra = f"  [{added}]" if added else ""
+        out.append(f"    {shown[key].ljust(width)}  {role}: {takes} -> {gives}{count}{extra}")
+    return out
+
+
+def _format_requests(plan: Plan) -> list[str]:
+    """The non-FSDP content of the Plan: TP styles, checkpointing, prefetch."""
+    lines: list[str] = []
+    tp = plan.tensor_parallel
+    if tp is not None:
+        by_style: dict[tuple[str, str], list[str]] = {}
+        for a in tp.assignments:
+            by_style.setdefault((re.sub(r"(?<![^.])\d+(?![^.])", "*", a.module), a.style), []).append(a.module)
+        sp = " with sequence parallelism" if tp.sequence_parallel else ""
+        lines.append(f"tensor parallel{sp}: {len(tp.assignments)} modules")
+        # A pattern stands for several modules; a single module shows as itself.
+        rows = [(mods[0] if len(mods) == 1 else pattern, style, len(mods)) for (pattern, style), mods in by_style.items()]
+        width = max((len(r[0]) for r in rows), default=0)
+        for shown, style, n in rows:
+            count = f" (x{n})" if n > 1 else ""
+            lines.append(f"  {shown.ljust(width)}  {style}{count}")
+        for pattern, style, why in tp.skipped:
+            lines.append(f"  {pattern.ljust(width)}  {style}: not a torch style, {why}")
+        if tp.loss_parallel:
+            lines.append("  loss parallel: the head's logits stay vocabulary-sharded; compute the loss under fsdptx.loss_parallel()")
+        lines.extend(_format_stream(tp.stream))
+    if plan.checkpointing is not None:
+        ac = plan.checkpointing
+        lines.append(f"activation checkpointing ({ac.mode}): " + ", ".join(_collapse(ac.modules)))
+    if plan.prefetch:
+        fwd = max(len(p.forward) for p in plan.prefetch)
+        bwd = max(len(p.backward) for p in plan.prefetch)
+        lines.append(
+            f"explicit prefetch: {len(plan.prefetch)} units, forward depth {fwd}, backward depth {bwd} "
+            f"(e.g. {plan.prefetch[0].unit or '<root>'} -> {', '.join(plan.prefetch[0].forward) or '-'})"
+        )
+    if plan.reduce_unused_params:
+        lines.append("unused parameters: every unit reduce-scatters zeros for them (context parallelism)")
+    return lines

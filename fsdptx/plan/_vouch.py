@@ -1,0 +1,141 @@
+"""Vouching: a Plan carries the signature of the model its units were
+resolved against (:class:`Vouched`), so applying it costs one walk and a
+comparison instead of re-deriving each unit's claims (the walk and its
+signature: :mod:`fsdptx.model._walk`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from ..model._unit_checks import module_problems
+from ..model._walk import _DTYPE_GRAD, _NDIM, Signature, walk_model
+from ._types import Reduction
+
+if TYPE_CHECKING:
+    from ..model._index import ModelIndex
+    from ._types import Plan, Unit
+
+__all__ = [
+    "MarkTargets",
+    "Vouched",
+    "reductions_by_module",
+    "settings_problems",
+    "vouch",
+    "vouch_marks",
+    "vouched_modules",
+]
+
+
+def reductions_by_module(reductions: Mapping[str, Reduction]) -> dict[str, dict[str, Reduction]]:
+    """A plan's marks (parameter FQN -> reduction) grouped by the FQN of the
+    module holding each parameter, by the parameter's local name: what
+    :func:`fsdptx.tp._marks.mark_parameter_reductions` takes, once per module."""
+    by_module: dict[str, dict[str, Reduction]] = {}
+    for fqn, reduction in reductions.items():
+        module_fqn, _, name = fqn.rpartition(".")
+        by_module.setdefault(module_fqn, {})[name] = reduction
+    return by_module
+
+
+def settings_problems(i: int, unit: Unit) -> list[str]:
+    """What the primitive would refuse in the unit's own settings."""
+    problems: list[str] = []
+    if unit.mp_policy is not None and not isinstance(unit.mp_policy, MixedPrecisionPolicy):
+        problems.append(f"unit {i}: mp_policy {unit.mp_policy!r} is not a MixedPrecisionPolicy or None")
+    if unit.offload_policy is not None and not isinstance(unit.offload_policy, OffloadPolicy):
+        problems.append(f"unit {i}: offload_policy {unit.offload_policy!r} is not an OffloadPolicy or None")
+    if unit.mesh not in ("dp", "moe"):
+        problems.append(f"unit {i}: mesh {unit.mesh!r} is neither 'dp' nor 'moe'")
+    r = unit.reshard_after_forward
+    if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r >= 1)):
+        problems.append(f"unit {i}: reshard_after_forward={r!r} is not None, a bool or a positive int")
+    return problems
+
+
+@dataclass(frozen=True, eq=False)
+class Vouched:
+    """What planning vouches for: ``units`` (this very tuple) were resolved
+    against a model whose walk had this signature, and are found, in walk
+    order, at ``positions``. ``reductions``/``exclusions`` (these very
+    objects) were checked against the same model, or are ``None``; then
+    ``marks`` holds, per module holding marked parameters, its walk
+    position and its marks by local name, and ``excluded`` the walk
+    position of each excluded module."""
+
+    signature: Signature
+    units: tuple[Unit, ...]
+    positions: tuple[tuple[int, ...], ...]
+    reductions: Mapping[str, Reduction] | None = None
+    exclusions: tuple[str, ...] | None = None
+    marks: tuple[tuple[int, Mapping[str, Reduction]], ...] = ()
+    excluded: tuple[int, ...] = ()
+
+
+# The modules a plan's marks go to: per module holding marked parameters,
+# its marks by local name; and the excluded modules.
+MarkTargets = tuple[list[tuple[nn.Module, Mapping[str, Reduction]]], list[nn.Module]]
+
+
+def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
+    """Vouch for ``units``, just resolved from ``index``; ``None`` (no
+    vouching: the full check runs and names the problems) when the index
+    did not see the whole model, some parameter is a scalar or a trainable
+    non-floating (complex) one (the planner does not group those by dtype),
+    or the primitive would refuse some unit's settings or modules. Those
+    depend only on the units and the modules' classes, which the signature
+    holds fixed, so applying a vouched plan re-checks none of them."""
+    walk = index.walk
+    if not walk.complete or 0 in map(_NDIM, walk.facts):
+        return None
+    if any(grad and not dtype.is_floating_point for dtype, grad in set(map(_DTYPE_GRAD, walk.facts))):
+        return None  # a trainable complex parameter: the planner leaves it keyless
+    position, modules = walk.position, index.modules
+    positions = tuple(tuple(position[id(modules[f])] for f in u.modules) for u in units)
+    for i, (unit, at) in enumerate(zip(units, positions)):
+        if settings_problems(i, unit) or module_problems(i, unit.modules, [walk.modules[j] for j in at]):
+            return None
+    return Vouched(walk.signature, units, positions)
+
+
+def vouch_marks(index: ModelIndex, plan: Plan) -> object:
+    """``plan.verified`` extended to the plan's reductions and exclusions when
+    each names a parameter or module of the model ``index`` was built from."""
+    vouched = plan.verified
+    if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
+        return vouched
+    named = all(map(index.has_param, plan.reductions)) and all(f in index.modules for f in plan.exclusions)
+    if not named:
+        return vouched
+    position, modules = index.walk.position, index.modules
+    return dataclasses.replace(
+        vouched,
+        reductions=plan.reductions,
+        exclusions=plan.exclusions,
+        marks=tuple((position[id(modules[f])], m) for f, m in reductions_by_module(plan.reductions).items()),
+        excluded=tuple(position[id(modules[f])] for f in plan.exclusions),
+    )
+
+
+def vouched_modules(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]], MarkTargets] | None:
+    """Each unit's modules, and the modules the marks go to, when the plan
+    is vouched for and ``model`` walks to the same signature; ``None`` when
+    anything calls for the full check."""
+    vouched = plan.verified
+    if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
+        return None
+    if plan.reductions and vouched.reductions is not plan.reductions:
+        return None
+    if plan.exclusions and vouched.exclusions is not plan.exclusions:
+        return None
+    walk = walk_model(model)
+    if not vouched.signature.matches(walk):
+        return None
+    found = walk.modules
+    units = [[found[i] for i in at] for at in vouched.positions]
+    return units, ([(found[i], m) for i, m in vouched.marks], [found[i] for i in vouched.excluded])

@@ -1,0 +1,462 @@
+"""Replica audit: check, with real collectives, that copies meant to be
+identical are identical.
+
+TP peers hold copies of every TP-replicated parameter (what
+:func:`fsdptx.synchronize_tp_replica_gradients` keeps in step); HSDP's
+``dp_replicate`` peers hold copies of the same shards; a plain parameter is a
+copy on every data-parallel rank. A forgotten sync, a rank-dependent
+initialization or a bad checkpoint load lets them drift apart silently: the
+loss still goes down. The audit finds that in CI, or every N steps in a job.
+
+It is cheap when all is well: per group, one flat buffer of two fp64
+checksums per tensor (sum and L2 norm of the rank-local storage) reduced
+once with MAX over the checksums and their negations, so every peer learns
+the largest and smallest of each; only tensors whose checksums differ
+("suspects") are compared element by element, the same way.
+
+Collective discipline is the sync's: arguments are checked before the
+first collective; the peers of each group agree first (MAX of counts and
+layout digests, which works on a fake process group, where a collective
+returns the local input) on what shapes the collectives, and a disagreement
+anywhere in the mesh raises on every rank instead of leaving some waiting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.hooks import RemovableHandle
+
+from ..core._meshes import KNOWN_DIMS
+from ..core._tree import iter_unique_named_buffers, iter_unique_named_parameters
+from ._replicas import _describe_tensor, _device, _digest, _local, _TPContext, _walk
+
+__all__ = ["DP_DIMS", "Drift", "ReplicaAudit", "audit_replicas", "audit_replicas_every", "format_drift"]
+
+ModelParts = Sequence[nn.Module] | nn.Module
+# Mesh dims whose peers hold data-parallel copies: a tensor replicated along
+# one of them (a plain tensor, HSDP's Replicate dim) must be equal there.
+DP_DIMS = tuple(n for n in KNOWN_DIMS if n not in ("tp", "pp"))
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One tensor whose copies differ across one group of peers.
+
+    ``fqn`` names it (the smallest name of a tied tensor), ``mesh_dim`` the
+    mesh dim the group spans, ``ranks`` the group's global ranks, and
+    ``max_abs_diff`` the largest difference between any two copies of one
+    element (``inf`` where one copy is NaN or infinite and another is not)."""
+
+    fqn: str
+    mesh_dim: str
+    ranks: tuple[int, ...]
+    max_abs_diff: float
+
+
+@dataclass(frozen=True)
+class ReplicaAudit:
+    """The audit's result; ``drifted`` is the same on every rank of the mesh.
+
+    ``drifted`` lists every tensor whose copies differ beyond the tolerance
+    in any group of the mesh, in rank-stable order (mesh dim order, then
+    FQN, then ranks); ``checked`` maps each audited mesh dim to the number
+    of tensors compared on this rank along it."""
+
+    drifted: tuple[Drift, ...]
+    checked: tuple[tuple[str, int], ...]
+
+    @property
+    def ok(self) -> bool:
+        """No copies differ beyond the tolerance."""
+        return not self.drifted
+
+    def __str__(self) -> str:
+        if self.ok:
+            dims = ", ".join(f"{n} along {d}" for d, n in self.checked) or "nothing to compare"
+            return f"replicas in sync ({dims})"
+        return format_drift(self.drifted)
+
+
+def format_drift(drifted: Sequence[Drift]) -> str:
+    """A fixed-width table of drifted tensors: fqn, dim, ranks, max abs diff."""
+    rows = [("fqn", "dim", "ranks", "max abs diff")]
+    rows += [(d.fqn, d.mesh_dim, ",".join(map(str, d.ranks)), f"{d.max_abs_diff:.6g}") for d in drifted]
+    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return f"{len(drifted)} tensor copies differ across replicas:\n" + "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# Arguments.
+
+
+def _tolerance(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"audit_replicas: {name} must be a non-negative number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"audit_replicas: {name} must be finite and >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_arguments(
+    model_parts: object, device_mesh: object, atol: object, rtol: object, buffers: object, tp_axis_name: object
+) -> tuple[list[nn.Module], DeviceMesh, float, float]:
+    """Every argument, checked locally before any collective."""
+    where = "audit_replicas"
+    if isinstance(model_parts, nn.Module):
+        parts = [model_parts]
+    elif isinstance(model_parts, Sequence) and not isinstance(model_parts, str) and all(
+        isinstance(m, nn.Module) for m in model_parts
+    ):
+        parts = list(model_parts)
+    else:
+        raise TypeError(f"{where}: model_parts must be an nn.Module or a sequence of them, got {model_parts!r}")
+    if not parts:
+        raise ValueError(f"{where}: model_parts is empty; pass the model, or every pipeline stage this rank holds")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"{where}: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
+    if not device_mesh.mesh_dim_names:
+        raise ValueError(
+            f"{where}: device_mesh has no dim names, so which dims hold replicas is unknown; build it with "
+            f"init_device_mesh(..., mesh_dim_names=...) naming dims among {', '.join(KNOWN_DIMS)}"
+        )
+    if not isinstance(tp_axis_name, str):
+        raise TypeError(f"{where}: tp_axis_name must be a str, got {tp_axis_name!r}")
+    if not isinstance(buffers, bool):
+        raise TypeError(f"{where}: buffers must be a bool, got {buffers!r}")
+    return parts, device_mesh, _tolerance(atol, "atol"), _tolerance(rtol, "rtol")
+
+
+# ----------------------------------------------------------------------------
+# What each group compares.
+
+
+@dataclass(frozen=True)
+class _Group:
+    dim: str
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+    fqns: list[str]
+    tensors: list[torch.Tensor]  # rank-local storage
+    digest: int
+
+
+def _all_tensors(parts: list[nn.Module], buffers: bool) -> list[tuple[str, torch.Tensor]]:
+    """Every distinct parameter (and buffer), rank-stable, no exclusions:
+    what data-parallel replicas must hold alike."""
+    found: list[tuple[str, torch.Tensor]] = list(iter_unique_named_parameters(parts))
+    return found + list(iter_unique_named_buffers(parts)) if buffers else found
+
+
+def _groups(
+    parts: list[nn.Module], mesh: DeviceMesh, buffers: bool, tp_axis_name: str, device: torch.device
+) -> list[_Group]:
+    """One group per audited mesh dim of size > 1 (in mesh order): the TP
+    dim compares exactly what the TP-replica sync keeps in step (its walk,
+    exclusions and replication test), a data-parallel dim every tensor
+    whose placements replicate it along that dim."""
+    names = mesh.mesh_dim_names or ()
+    rank = dist.get_rank()
+    everything: list[tuple[str, torch.Tensor]] | None = None
+    groups: list[_Group] = []
+    for name, size in zip(names, mesh.shape):
+        if size == 1 or (name != tp_axis_name and name not in DP_DIMS):
+            continue
+        group = mesh.get_group(name)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if name == tp_axis_name:
+            params, bufs, _modules = _walk(parts)
+            candidates = [(e.fqn, e.tensor) for e in (*params, *(bufs if buffers else []))]
+        else:
+            everything = everything if everything is not None else _all_tensors(parts, buffers)
+            candidates = everything
+        # The sync's replication test, with this dim's peers in the TP role.
+        replicated = _TPContext(group, group.group_name, ranks, rank, device).replicated()
+        kept = [(f, t) for f, t in candidates if replicated(t)]
+        text = "\n".join(f"{f} {_describe_tensor(t)}" for f, t in kept)
+        groups.append(
+            _Group(name, group, ranks, [f for f, _ in kept], [_local(t).detach() for _, t in kept], _digest(text))
+        )
+    return groups
+
+
+# ----------------------------------------------------------------------------
+# Collectives. Every one is a MAX all-reduce over a group: on a fake process
+# group it returns the local input, so the peers always "agree" there.
+
+
+def _max_and_min(values: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise largest and smallest of ``values`` over the group, from
+    one MAX all-reduce of the values and their negations."""
+    both = torch.cat([values, -values])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    n = values.numel()
+    return both[:n], -both[n:]
+
+
+def _mesh_max(flags: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The elementwise maximum over the whole mesh: one MAX all-reduce
+    along each dim in turn (the mesh's own groups; no new group)."""
+    for name, size in zip(mesh.mesh_dim_names or (), mesh.shape):
+        if size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group(name))
+    return flags
+
+
+def _mesh_gather(records: list[Drift], mesh: DeviceMesh) -> list[Drift]:
+    """Every rank's records, on every rank: an all-gather along each dim
+    in turn, so after the last one each rank holds the whole mesh's."""
+    merged = set(records)
+    for name, size in zip(mesh.mesh_dim_names or (), mesh.shape):
+        if size > 1:
+            found: list[Any] = [None] * size
+            dist.all_gather_object(found, sorted(merged, key=_order_key), group=mesh.get_group(name))
+            merged = {d for part in found for d in part}
+    return sorted(merged, key=_order_key)
+
+
+def _order_key(d: Drift) -> tuple[str, tuple[int, ...]]:
+    return (d.fqn, d.ranks)
+
+
+def _disagreement(g: _Group) -> str:
+    """Names what the peers of ``g`` disagree on (one all-gather of
+    descriptions within the group, which all its members run)."""
+    mine = {f: _describe_tensor(t) for f, t in zip(g.fqns, g.tensors)}
+    found: list[Any] = [None] * len(g.ranks)
+    dist.all_gather_object(found, mine, group=g.group)
+    lines = []
+    for fqn in sorted({f for d in found for f in d}):
+        seen = [d.get(fqn, "absent") for d in found]
+        if len(set(seen)) > 1:
+            lines.append(f"{fqn}: " + ", ".join(f"rank {r}: {s}" for r, s in zip(g.ranks, seen)))
+    return "\n  ".join(lines[:20] + ([f"... and {len(lines) - 20} more"] if len(lines) > 20 else []))
+
+
+def _checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Two fp64 checksums per tensor, sum and L2 norm, NaN replaced by a
+    marker so that NaN on one copy only still differs."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    sums = torch.stack([t.sum(dtype=torch.float64) if t.is_floating_point() else t.double().sum() for t in tensors])
+    floats = [t if t.is_floating_point() else t.double() for t in tensors]
+    norms = torch.stack(torch._foreach_norm(floats, 2, dtype=torch.float64))  # type: ignore[call-arg]
+    return torch.nan_to_num(torch.cat([sums.to(device), norms.to(device)]), nan=math.inf)
+
+
+# Elements of suspects compared per collective: each travels as two fp64
+# values (itself and its negation), so a chunk's buffer is at most 64 MiB.
+_SUSPECT_CHUNK_NUMEL = 2**22
+
+
+def _suspect_chunks(sizes: list[int]) -> list[list[int]]:
+    """Indices of suspects in chunks of at most :data:`_SUSPECT_CHUNK_NUMEL`
+    elements, in order; a larger suspect is a chunk of its own."""
+    chunks: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if not chunks or total + n > _SUSPECT_CHUNK_NUMEL:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(i)
+        total += n
+    return chunks
+
+
+def _compare_suspects(
+    tensors: list[torch.Tensor], g: _Group, atol: float, rtol: float, device: torch.device
+) -> list[float | None]:
+    """Per suspect, the largest spread of one element over the group, or
+    ``None`` when every element is within ``atol + rtol * |value|``. One
+    MAX all-reduce per chunk of suspects."""
+    out: list[float | None] = []
+    for chunk in _suspect_chunks([t.numel() for t in tensors]):
+        flat = torch.cat([tensors[i].reshape(-1).to(device, torch.float64) for i in chunk])
+        high, low = _max_and_min(torch.nan_to_num(flat, nan=math.inf), g.group)
+        spread = torch.where(high == low, torch.zeros_like(high), high - low)  # equal infinities: no spread
+        over = spread > atol + rtol * torch.maximum(high.abs(), low.abs())
+        for part, bad in zip(spread.split([tensors[i].numel() for i in chunk]), over.split([tensors[i].numel() for i in chunk])):
+            out.append(float(part.max()) if bool(bad.any()) else None)
+    return out
+
+
+def audit_replicas(
+    model_parts: ModelParts,
+    device_mesh: DeviceMesh,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    buffers: bool = False,
+    tp_axis_name: str = "tp",
+) -> ReplicaAudit:
+    """Check that every copy of a replicated tensor is equal across its peers.
+
+    Audited along the TP dim: exactly what
+    :func:`fsdptx.synchronize_tp_replica_gradients` keeps in step (TP-
+    replicated parameters outside excluded subtrees; with ``buffers`` also
+    the replicated buffers :func:`fsdptx.broadcast_tp_replicas` covers).
+    Along each data-parallel dim (``dp_replicate``, ``dp_shard``/``dp``,
+    ``cp``): every tensor whose placements replicate it there (HSDP's
+    replicated shards, plain parameters). Rank-local storage is compared.
+
+    Per group: one agreement (MAX of count and layout digest), one MAX
+    all-reduce of two fp64 checksums per tensor, then for suspects only an
+    elementwise MAX all-reduce (per chunk of at most 2**22 elements).
+    Across the mesh, unless one audited dim spans it (then the group's
+    results already are the mesh's): a flag per stage and, only when
+    something drifted, an all-gather of the findings, so the result is the
+    same on every rank. A clean audit of a TP-only mesh is 2 collectives.
+    Call it on every rank of the mesh at the same point (e.g. after
+    ``optimizer.step()``). No mesh dim to audit (all of size 1, or none
+    named ``tp``/data-parallel): a clean audit, no collective.
+
+    Args:
+        model_parts: the model, or every pipeline stage this rank holds.
+        device_mesh: the mesh the model was parallelized on (dims named).
+        atol: absolute tolerance per element (default exact).
+        rtol: tolerance relative to the element's largest magnitude.
+        buffers: also audit buffers.
+        tp_axis_name: the TP dim's name.
+
+    Returns:
+        A :class:`ReplicaAudit`; ``.ok`` is true when nothing drifted,
+        ``.drifted`` names each drifted tensor, dim, ranks and difference.
+
+    Raises:
+        TypeError, ValueError: an invalid argument (named), before any
+            collective.
+        RuntimeError: peers of some group disagree on the tensors to
+            compare (set, order, dtypes, local shapes, placements): raised on
+            every rank of the mesh, naming the tensors where it can, with
+            nothing compared.
+
+    Example::
+
+        optimizer.step()
+        audit = fsdptx.audit_replicas([model], mesh)
+        if not audit.ok:
+            print(audit)   # fqn, dim, ranks, max abs diff
+    """
+    parts, mesh, atol, rtol = _check_arguments(model_parts, device_mesh, atol, rtol, buffers, tp_axis_name)
+    device = _device(mesh.device_type)
+    groups = _groups(parts, mesh, buffers, tp_axis_name, device)
+
+    # When the mesh has one dim of size > 1 and it is audited, that group
+    # is the whole mesh: what its collectives return is already the same
+    # on every rank, and the mesh-wide flag and gather are skipped.
+    if not groups:
+        return ReplicaAudit((), ())
+    spanning = [n for n, size in zip(mesh.mesh_dim_names or (), mesh.shape) if size > 1]
+    group_is_mesh = len(groups) == 1 and spanning == [groups[0].dim]
+
+    # 1. Each group agrees on its layout; the mesh learns where it did not.
+    disagree = []
+    for g in groups:
+        fields = torch.tensor([len(g.fqns), g.digest], dtype=torch.int64, device=device)
+        high, low = _max_and_min(fields, g.group)
+        disagree.append(int(not torch.equal(high, low)))
+    flags = torch.tensor(disagree, dtype=torch.int64, device=device)
+    if not group_is_mesh:
+        flags = _mesh_max(flags, mesh)
+    if bool(flags.any()):
+        details = [
+            f"along {g.dim} among ranks {list(g.ranks)}:\n  {_disagreement(g)}" for g, d in zip(groups, disagree) if d
+        ]
+        where = [g.dim for g, f in zip(groups, flags.tolist()) if f]
+        raise RuntimeError(
+            f"audit_replicas: peers disagree on which tensors to compare along {where} (set, order, dtypes, "
+            "local shapes or placements); every rank must pass the same model parts, parallelized the same "
+            "way. Nothing was compared."
+            + ("\n" + "\n".join(details) if details else " See the error on the ranks of those groups.")
+        )
+
+    # 2. Checksums, then suspects elementwise.
+    records: list[Drift] = []
+    checked: list[tuple[str, int]] = []
+    for g in groups:
+        checked.append((g.dim, len(g.tensors)))
+        if not g.tensors:  # the peers agreed there is nothing: no collective
+            continue
+        high, low = _max_and_min(_checksums(g.tensors, device), g.group)
+        suspects = (high != low).view(2, len(g.tensors)).any(0).nonzero().flatten().tolist()
+        if suspects:
+            diffs = _compare_suspects([g.tensors[i] for i in suspects], g, atol, rtol, device)
+            records += [Drift(g.fqns[i], g.dim, g.ranks, d) for i, d in zip(suspects, diffs) if d is not None]
+
+    # 3. Findings shared across the mesh, so every rank returns the same.
+    if not group_is_mesh:
+        found = _mesh_max(torch.tensor([int(bool(records))], dtype=torch.int64, device=device), mesh)
+        if bool(found.item()):
+            records = _mesh_gather(records, mesh)
+    order = {n: i for i, n in enumerate(mesh.mesh_dim_names or ())}
+    records.sort(key=lambda d: (order[d.mesh_dim], d.fqn, d.ranks))
+    return ReplicaAudit(tuple(records), tuple(checked))
+
+
+def audit_replicas_every(
+    optimizer: torch.optim.Optimizer,
+    model_parts: ModelParts,
+    device_mesh: DeviceMesh,
+    every: int,
+    *,
+    on_drift: Callable[[ReplicaAudit], None] | None = None,
+    audit: Callable[..., ReplicaAudit] = audit_replicas,
+    **audit_kwargs: Any,
+) -> RemovableHandle:
+    """Audit the replicas after every ``every``-th ``optimizer.step()``.
+
+    A step post-hook on ``optimizer``: it runs on every rank at the same
+    step (each rank steps its optimizer once per update), so the audit's
+    collectives line up. By default a drift raises ``AssertionError`` with
+    the table (stop the job while the checkpoint before it is still good);
+    ``on_drift`` receives the audit instead (log it, count it).
+
+    Args:
+        optimizer: the optimizer whose steps are counted.
+        model_parts, device_mesh: as for :func:`audit_replicas`.
+        every: audit every this many steps (>= 1).
+        on_drift: called with a failed audit instead of raising.
+        audit: the audit function (injectable for tests).
+        **audit_kwargs: ``atol``, ``rtol``, ``buffers``, ``tp_axis_name``.
+
+    Returns:
+        The hook's handle; ``handle.remove()`` stops auditing.
+
+    Raises:
+        TypeError, ValueError: ``every`` is not a positive int or
+            ``optimizer`` is not an optimizer, at registration.
+
+    Example::
+
+        fsdptx.audit_replicas_every(opt, [model], mesh, every=100)
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"audit_replicas_every: optimizer must be a torch Optimizer, got {type(optimizer).__name__}")
+    if isinstance(every, bool) or not isinstance(every, int):
+        raise TypeError(f"audit_replicas_every: every must be an int, got {every!r}")
+    if every < 1:
+        raise ValueError(f"audit_replicas_every: every must be >= 1, got {every}")
+    steps = [0]
+
+    def hook(_optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        steps[0] += 1
+        if steps[0] % every:
+            return
+        result = audit(model_parts, device_mesh, **audit_kwargs)
+        if result.ok:
+            return
+        if on_drift is None:
+            raise AssertionError(f"after optimizer step {steps[0]}: {result}")
+        on_drift(result)
+
+    return optimizer.register_step_post_hook(hook)
+

@@ -1,0 +1,575 @@
+"""The sequence-layout pass: one walk of the residual stream that decides,
+and checks, the sequence layout at every boundary of a TP plan.
+
+Every style (a torch ``ParallelStyle``, a Hugging Face style name, one of
+fsdptx's boundaries) is known by the layout it takes and gives on the
+residual stream: the whole sequence or this rank's ``Shard(1)`` slice, as a
+plain tensor or a DTensor (:func:`fsdptx.tp._styles.style_layouts`). The
+pass walks the stream in forward order (the backbone's modules before the
+block stack, in registration order, with the embedding first; each block and
+its direct children; the backbone's modules after the stack; the output
+head) and, under sequence parallelism:
+
+- adds a boundary only where the plan leaves a gap: a slice where the first
+  block receives the whole sequence, a gather at a region whose projections
+  want it whole, a ``SequenceParallel`` norm, a gather before a head outside
+  the plan; where the plan already shards the sequence (torchtitan's
+  ``RowwiseParallel(output_layouts=Shard(1))`` embedding, its
+  ``PrepareModuleInput`` regions) it adds nothing;
+- gives a region the plan leaves (partly) alone the whole sequence
+  (:class:`~fsdptx.tp._styles.WholeSequence`), so a hybrid or MLA model
+  still runs its norms and residual stream on the shard;
+- leaves small token-local holders (a module holding parameters directly,
+  with no submodule of its own: sinks, gates) on the shard, where each rank
+  sees only its tokens and their gradients get a TP-replica ``sum`` mark;
+- refuses a plan whose layouts disagree anywhere (a sequence sliced twice,
+  ``Shard(1)`` into a module that reads its input as the whole sequence, a
+  stream left sharded at the head without loss parallelism), naming both
+  modules.
+
+Without sequence parallelism the stream stays whole and the pass only turns
+style names into torch styles and refuses styles that would shard the
+sequence. Pure: it reads the model through the planner's index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from ..plan._types import StreamStep, TPAssignment, preview
+from ..model._index import ModelIndex, unwrap_checkpoint
+from ._styles import (
+    COLWISE_NAMES,
+    ROWWISE_NAMES,
+    SEQ,
+    GatherSequence,
+    Seq,
+    ShardSequence,
+    WholeSequence,
+    describe_style,
+    region_input,
+    style_for,
+    style_layouts,
+)
+
+__all__ = ["LayoutResult", "StyleSpec", "input_embedding", "output_head", "output_head_module", "sequence_layout"]
+
+StyleSpec = str | ParallelStyle
+Role = Literal["embedding", "module", "norm", "block", "region", "holder", "head"]
+_SP = "<sequence parallel>"
+
+
+@dataclass(frozen=True)
+class _Lay:
+    """A layout on the stream: ``seq`` is ``whole``, ``shard`` (``Shard(1)``),
+    ``vocab`` (``Shard(-1)`` logits) or ``features`` (a colwise output);
+    ``source`` the module that produced it, for error messages."""
+
+    seq: str
+    dtensor: bool
+    source: str
+
+    def __str__(self) -> str:
+        name = {"whole": "whole", "shard": "Shard(1)", "vocab": "Shard(-1) vocab", "features": "Shard(-1) features"}
+        return name.get(self.seq, self.seq) + (" DTensor" if self.dtensor else "")
+
+
+def _seq_of(p: Placement | None) -> str:
+    if p is None or isinstance(p, Replicate):
+        return "whole"
+    if isinstance(p, Shard):
+        return "shard" if p.dim == 1 else "vocab" if p.dim == -1 else f"Shard({p.dim})"
+    return str(p)
+
+
+@dataclass
+class LayoutResult:
+    """What the pass decided: the torch style of every module (declared and
+    added), the modules whose direct parameters need a ``sum`` mark, the
+    stream's steps for the Plan, and the problems that refuse the plan."""
+
+    assignments: dict[str, TPAssignment] = field(default_factory=dict)
+    sums: list[str] = field(default_factory=list)
+    steps: list[StreamStep] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Pass:
+    """Scratch state of one pass; never escapes :func:`sequence_layout`."""
+
+    index: ModelIndex
+    declared: Mapping[str, tuple[str, StyleSpec]]
+    sum_marked: Collection[str]
+    sp: bool
+    loss_parallel: bool
+    out: LayoutResult = field(default_factory=LayoutResult)
+    # Layouts a style name is built with (takes, gives); names not visited
+    # by the walk get the plain ("whole", "whole") ones.
+    want: dict[str, tuple[Seq, Seq]] = field(default_factory=dict)
+
+    def problem(self, text: str) -> None:
+        self.out.problems.append(text)
+
+    def add(self, fqn: str, name: str, style: ParallelStyle) -> None:
+        self.out.assignments[fqn] = TPAssignment(fqn, name, _SP, style)
+
+    def step(self, fqn: str, role: Role, takes: _Lay | str, gives: _Lay | str, added: str | None = None) -> None:
+        self.out.steps.append(StreamStep(fqn, role, str(takes), str(gives), added))
+
+    def explicit(self, fqn: str) -> ParallelStyle | None:
+        """The torch style object the plan gives ``fqn`` (``None`` for a name or none)."""
+        entry = self.declared.get(fqn)
+        return entry[1] if entry is not None and isinstance(entry[1], ParallelStyle) else None
+
+    def name(self, fqn: str) -> str | None:
+        entry = self.declared.get(fqn)
+        return entry[1] if entry is not None and isinstance(entry[1], str) else None
+
+    def check_takes(self, fqn: str, style: ParallelStyle, cur: _Lay) -> None:
+        """A plain input is read as the style declares: it must be laid out
+        that way. A DTensor input is redistributed by the style itself."""
+        takes = style_layouts(style).takes
+        if takes is None or cur.dtensor or _seq_of(takes) == cur.seq:
+            return
+        self.problem(
+            f"{fqn!r} ({describe_style(style)}) reads its input as {_Lay(_seq_of(takes), False, '')} but "
+            f"receives {cur} from {cur.source or 'the model input'!r}; give one of the two the layout of the other"
+        )
+
+
+def sequence_layout(
+    model: nn.Module,
+    index: ModelIndex,
+    declared: Mapping[str, tuple[str, StyleSpec]],
+    blocks: tuple[str, ...],
+    *,
+    sum_marked: Collection[str] = (),
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> LayoutResult:
+    """Decide the torch style of every module in ``declared`` (module FQN ->
+    (pattern, style name or torch style)) and the boundaries the stream
+    needs; see the module docstring. ``blocks`` are the model's blocks in
+    order; ``sum_marked`` the modules the plan already marks ``sum``."""
+    p = _Pass(index, declared, sum_marked, sequence_parallel, loss_parallel)
+    stream = _Stream.of(model, index, declared, blocks, sequence_parallel)
+    if sequence_parallel and not stream.blocks:
+        p.problem(
+            "sequence_parallel=True, but no blocks were found to run on the sequence shard; name them with "
+            "FSDP2Config(blocks=...) or tensor_parallel(blocks=...), or declare _no_split_modules"
+        )
+    else:
+        _walk(p, stream)
+    for fqn, (pattern, spec) in declared.items():
+        if fqn in p.out.assignments:
+            continue
+        if isinstance(spec, str):
+            takes, gives = p.want.get(fqn, ("whole", "whole"))
+            p.out.assignments[fqn] = TPAssignment(fqn, spec, pattern, style_for(spec, index.modules[fqn], takes=takes, gives=gives))
+        else:
+            p.out.assignments[fqn] = TPAssignment(fqn, describe_style(spec), pattern, spec)
+    return p.out
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """The modules on the residual stream, in forward order."""
+
+    pre: tuple[str, ...]  # the backbone's modules before the stack (the embedding among them)
+    embedding: str | None
+    blocks: tuple[str, ...]
+    post: tuple[str, ...]  # the backbone's modules after the stack, the head excluded
+    head: str | None
+
+    @classmethod
+    def of(
+        cls,
+        model: nn.Module,
+        index: ModelIndex,
+        declared: Mapping[str, object],
+        blocks: tuple[str, ...],
+        sequence_parallel: bool,
+    ) -> _Stream:
+        head = output_head(model, index)
+        stacks: dict[str, list[str]] = {}
+        for b in blocks:
+            stacks.setdefault(b.rpartition(".")[0], []).append(b)
+        # The stack the plan parallelizes; under SP without TP in any block
+        # (a plan of embedding and head only), the largest one.
+        with_tp = [s for s, bs in stacks.items() if any(_inside(f, b) for b in bs for f in declared)]
+        chosen = with_tp or (sorted(stacks, key=lambda s: -len(stacks[s]))[:1] if sequence_parallel else [])
+        if not chosen:
+            return cls((), None, (), (), head)
+        container = max(chosen, key=lambda s: len(stacks[s]))
+        stack = tuple(stacks[container])
+        # The backbone holds the stack beside the modules before and after it;
+        # blocks registered on the root directly are their own stack.
+        backbone, _, leaf = container.rpartition(".") if container else ("", "", "")
+        owner = index.modules.get(backbone, model)
+        full = [f"{backbone}.{n}" if backbone else n for n, c in owner._modules.items() if c is not None]
+        if container:
+            first = last = full.index(container) if container in full else len(full)
+        else:
+            at = [i for i, f in enumerate(full) if f in stack]
+            first, last = (min(at), max(at)) if at else (len(full), len(full))
+        pre = tuple(f for f in full[:first] if _holds_params(index, f))
+        post = tuple(f for f in full[last + 1 :] if f != head and _holds_params(index, f))
+        return cls(pre, input_embedding(model, index, pre), stack, post, head)
+
+
+def _inside(fqn: str, module: str) -> bool:
+    return fqn == module or fqn.startswith(module + ".")
+
+
+def _holds_params(index: ModelIndex, fqn: str) -> bool:
+    """Whether the subtree of ``fqn`` holds any parameter (from the walk's slots)."""
+    module = index.modules.get(fqn)
+    if module is None:
+        return False
+    at = index.walk.position[id(module)]
+    return index.slot_start[index.subtree_end[at]] > index.slot_start[at]
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _children(index: ModelIndex, fqn: str) -> list[str]:
+    """The children of ``fqn`` that hold parameters, seeing through
+    activation-checkpoint wrappers, in registration order."""
+    inner = unwrap_checkpoint(index.modules[fqn])
+    base = index.fqn_of(inner)
+    return [
+        f for n, c in inner._modules.items() if c is not None and _holds_params(index, f := f"{base}.{n}" if base else n)
+    ]
+
+
+def _walk(p: _Pass, s: _Stream) -> None:
+    cur = _Lay("whole", False, "")
+    for fqn in s.pre:
+        if fqn == s.embedding:
+            cur = _embedding(p, fqn, cur)
+        elif p.sp and cur.seq == "shard":
+            cur = _on_stream(p, fqn, cur)
+        elif not p.sp:
+            _plain_module(p, fqn, cur)
+    for i, block in enumerate(s.blocks):
+        cur = _block(p, block, cur, first=i == 0)
+    for fqn in s.post:
+        cur = _on_stream(p, fqn, cur) if p.sp else _plain_module(p, fqn, cur)
+    _head(p, s.head, cur)
+
+
+def _embedding(p: _Pass, fqn: str, cur: _Lay) -> _Lay:
+    style = p.explicit(fqn)
+    name = p.name(fqn)
+    if style is not None:
+        lay = style_layouts(style)
+        gives = _Lay(_seq_of(lay.gives), lay.gives_dtensor, fqn)
+    elif name is not None:
+        # A vocabulary-sharded lookup reduce-scatters onto the sequence and
+        # hands on a Shard(1) DTensor, whose length reads whole (models
+        # derive positions from it); the first block takes the local slice.
+        shard = p.sp and name in ROWWISE_NAMES and isinstance(p.index.modules[fqn], nn.Embedding)
+        p.want[fqn] = ("whole", "shard" if shard else "whole")
+        gives = _Lay("shard" if shard else "whole", shard, fqn)
+    else:
+        gives = _Lay("whole", False, fqn)
+    if gives.seq == "shard" and not p.sp:
+        p.problem(
+            f"{fqn!r} shards the sequence ({describe_style(style) if style else name}) but sequence_parallel=False; "
+            "pass sequence_parallel=True, or give it output_layouts=Replicate()"
+        )
+    p.step(fqn, "embedding", "token ids", gives)
+    return gives
+
+
+def _block(p: _Pass, block: str, cur: _Lay, *, first: bool) -> _Lay:
+    style = p.explicit(block)
+    added = None
+    if style is not None:
+        p.check_takes(block, style, cur)
+        handed = region_input(style)[0] or style_layouts(style).gives
+        inside = _Lay(_seq_of(handed), False, block) if handed is not None else cur
+    elif p.sp and first and (cur.seq == "whole" or cur.dtensor):
+        p.add(block, "shard_sequence (sp)", ShardSequence())
+        added = "slice: keeps this rank's Shard(1)" if cur.seq == "whole" else "takes the local Shard(1)"
+        inside = _Lay("shard", False, block)
+    else:
+        inside = _Lay(cur.seq, cur.dtensor, cur.source)
+    if p.sp and inside.seq != "shard":
+        p.problem(
+            f"sequence_parallel=True, but block {block!r} receives {inside} from {inside.source or 'the model input'!r}; "
+            "the blocks must run on the Shard(1) sequence shard"
+        )
+    if not p.sp and inside.seq == "shard":
+        p.problem(f"block {block!r} receives the sequence shard from {inside.source!r}, but sequence_parallel=False")
+    p.step(block, "block", cur, inside, added)
+    if p.sp:
+        if unwrap_checkpoint(p.index.modules[block])._parameters:
+            _holder(p, p.index.fqn_of(unwrap_checkpoint(p.index.modules[block])), direct_only=True)
+        for child in _children(p.index, block):
+            _on_stream(p, child, _Lay("shard", False, block))
+    else:
+        for child in _children(p.index, block):
+            _plain_module(p, child, inside)
+    return _Lay(inside.seq, False, block)
+
+
+def _declared_inside(p: _Pass, fqn: str) -> list[str]:
+    return sorted(f for f in p.declared if f.startswith(fqn + "."))
+
+
+def _on_stream(p: _Pass, fqn: str, cur: _Lay) -> _Lay:
+    """A module that reads the sequence-sharded stream (a block's child, or
+    a backbone module after the stack); returns the stream after it."""
+    module = p.index.modules[fqn]
+    style, name = p.explicit(fqn), p.name(fqn)
+    if style is not None:
+        p.check_takes(fqn, style, cur)
+        lay = style_layouts(style)
+        gives = _Lay(_seq_of(lay.gives), lay.gives_dtensor, fqn) if lay.gives is not None else cur
+        inner = _declared_inside(p, fqn)
+        if inner:
+            handed = region_input(style)[0]
+            _region_inside(p, fqn, inner, gathered=handed is not None and _seq_of(handed) == "whole", whole=False)
+        p.step(fqn, _role(module), cur, gives)
+        return _Lay("shard", False, fqn) if gives.seq == "shard" else gives
+    if name is not None:
+        if name == "sequence_parallel" or name in COLWISE_NAMES | ROWWISE_NAMES:
+            p.want[fqn] = ("shard", "shard")
+        p.step(fqn, _role(module), cur, _Lay("shard", False, fqn))
+        return cur
+    inner = _declared_inside(p, fqn)
+    if not inner:
+        if _is_norm(module) and module._parameters:
+            p.add(fqn, "sequence_parallel (sp)", style_for("sequence_parallel", module))
+            p.step(fqn, "norm", cur, _Lay("shard", False, fqn), "SequenceParallel")
+        elif _compound(p.index, fqn):
+            p.add(fqn, "whole_sequence (sp)", WholeSequence())
+            p.step(fqn, "region", cur, _Lay("shard", False, fqn), "gather in, slice out: no TP style inside")
+        else:
+            _holder(p, fqn, direct_only=False)
+            p.step(fqn, "holder", cur, cur, "runs on the shard: gradients summed over TP")
+        return cur
+    uncovered = _uncovered(p, fqn, inner)
+    gathers_itself = _gathers_itself(p, inner)
+    if gathers_itself:
+        _region_inside(p, fqn, inner, gathered=False, whole=False)
+        p.step(fqn, "region", cur, _Lay("shard", False, fqn))
+    elif uncovered:
+        p.add(fqn, "whole_sequence (sp)", WholeSequence())
+        _region_inside(p, fqn, inner, gathered=True, whole=True)
+        p.step(
+            fqn, "region", cur, _Lay("shard", False, fqn),
+            f"gather in, slice out: {preview(uncovered)} outside the TP styles",
+        )
+    else:
+        p.add(fqn, "gather_sequence (sp)", GatherSequence())
+        _region_inside(p, fqn, inner, gathered=True, whole=False)
+        p.step(fqn, "region", cur, _Lay("shard", False, fqn), "all-gather in as a Replicate DTensor")
+    return cur
+
+
+def _role(module: nn.Module) -> Role:
+    return "norm" if _is_norm(module) else "region"
+
+
+def _compound(index: ModelIndex, fqn: str) -> bool:
+    """Whether a submodule of ``fqn`` holds parameters: an attention, mixer
+    or MLP is compound; a holder of its own parameters (sinks, a gate) is not."""
+    module = unwrap_checkpoint(index.modules[fqn])
+    base = index.fqn_of(module)
+    return any(c is not None and _holds_params(index, f"{base}.{n}" if base else n) for n, c in module._modules.items())
+
+
+def _holder(p: _Pass, fqn: str, *, direct_only: bool) -> None:
+    """Token-local parameters on the shard: each TP rank's gradient covers
+    only its tokens, so the replicas need the sum."""
+    if direct_only:
+        p.out.sums.append(fqn)
+        return
+    for f, m in p.index.modules.items():
+        if _inside(f, fqn) and m._parameters:
+            p.out.sums.append(f)
+
+
+def _uncovered(p: _Pass, region: str, inner: list[str]) -> list[str]:
+    """Modules of a region holding parameters that no TP style covers, other
+    than norms and what the plan marks ``sum`` (q/k norms of the local heads):
+    their plain parameters cannot meet a DTensor input."""
+    found = []
+    for f, m in p.index.modules.items():
+        if not _inside(f, region) or not m._parameters or f in p.declared or f in p.sum_marked:
+            continue
+        if any(_inside(f, s) for s in inner) or _is_norm(m):
+            continue
+        found.append(f)
+    return found
+
+
+def _gathers_itself(p: _Pass, inner: list[str]) -> bool:
+    """Whether the plan's own torch styles read the region's input as the
+    sequence shard (colwise with ``input_layouts=Shard(1)``, or a
+    ``PrepareModuleInput`` inside): then nothing is added."""
+    entries = [p.explicit(f) for f in inner]
+    takes = [style_layouts(s).takes for s in entries if isinstance(s, (ColwiseParallel, PrepareModuleInput))]
+    return bool(takes) and all(_seq_of(t) == "shard" for t in takes)
+
+
+def _region_inside(p: _Pass, region: str, inner: list[str], *, gathered: bool, whole: bool) -> None:
+    """Layouts inside a region: its colwise projections read the whole
+    sequence the region was handed; its rowwise projections give the
+    ``Shard(1)`` stream back (reduce-scatter), or the whole sequence inside
+    a :class:`WholeSequence` region, which slices it. An explicit torch
+    style that disagrees is refused."""
+    exit_seq: Seq = "whole" if whole or not p.sp else "shard"
+    for f in inner:
+        name, style = p.name(f), p.explicit(f)
+        if name is not None:
+            if name in COLWISE_NAMES:
+                p.want[f] = ("whole" if gathered or not p.sp else "shard", "whole")
+            elif name in ROWWISE_NAMES:
+                p.want[f] = ("whole", exit_seq)
+            continue
+        if isinstance(style, RowwiseParallel):
+            gives = _seq_of(style_layouts(style).gives)
+            if gives != exit_seq:
+                where = "its region runs on the whole sequence and slices it itself" if whole else (
+                    "it hands the region's output back to the Shard(1) stream"
+                )
+                p.problem(
+                    f"{f!r} ({describe_style(style)}) gives {_Lay(gives, False, '')} but {where}; "
+                    f"give it output_layouts={'Replicate()' if exit_seq == 'whole' else 'Shard(1)'}"
+                )
+        elif isinstance(style, ColwiseParallel) and gathered and _seq_of(style_layouts(style).takes) == "shard":
+            p.problem(
+                f"{f!r} ({describe_style(style)}) reads its input as the Shard(1) shard, but its region "
+                f"{region!r} is handed the whole sequence; give it input_layouts=Replicate()"
+            )
+
+
+def _plain_module(p: _Pass, fqn: str, cur: _Lay) -> _Lay:
+    """Without sequence parallelism: names take and give the whole
+    sequence; a torch style that would shard it is refused."""
+    style = p.explicit(fqn)
+    targets = [fqn, *_declared_inside(p, fqn)]
+    for f in targets:
+        s = p.explicit(f)
+        if s is not None and _seq_of(style_layouts(s).gives) == "shard" and not isinstance(s, SequenceParallel):
+            p.problem(f"{f!r} ({describe_style(s)}) shards the sequence, but sequence_parallel=False")
+        if isinstance(s, SequenceParallel):
+            p.problem(f"{f!r} has SequenceParallel, but sequence_parallel=False")
+    if style is not None:
+        p.check_takes(fqn, style, cur)
+    return cur
+
+
+def _head(p: _Pass, head: str | None, cur: _Lay) -> None:
+    """The output head: logits for the whole sequence (``Replicate``), or
+    vocabulary-sharded under loss parallelism; never the sequence shard."""
+    if head is None:
+        if p.sp:
+            p.problem(
+                "sequence_parallel=True, but the model has no output head to gather the sequence shard "
+                "(neither get_output_embeddings() nor a root lm_head): its output would be each rank's "
+                "slice of the sequence; use sequence_parallel=False for a backbone"
+            )
+        elif p.loss_parallel:
+            p.problem("loss_parallel=True needs an output head (get_output_embeddings() or a root lm_head)")
+        return
+    style, name = p.explicit(head), p.name(head)
+    module = p.index.modules[head]
+    added = None
+    if style is not None:
+        p.check_takes(head, style, cur)
+        lay = style_layouts(style)
+        gives = _Lay(_seq_of(lay.gives), lay.gives_dtensor, head)
+    elif name is not None:
+        if name not in COLWISE_NAMES - {"embedding_colwise"}:
+            p.problem(f"output head {head!r} has style {name!r}; an output head takes colwise or colwise_rep")
+            return
+        vocab = p.loss_parallel or name == "colwise"
+        p.want[head] = (cur.seq if cur.seq in ("whole", "shard") else "whole", "vocab" if p.loss_parallel else "whole")  # type: ignore[assignment]
+        gives = _Lay("vocab" if vocab else "whole", p.loss_parallel, head)
+    elif p.loss_parallel:
+        takes: Seq = "shard" if cur.seq == "shard" else "whole"
+        p.add(head, "colwise (loss parallel)", style_for("colwise", module, takes=takes, gives="vocab"))
+        gives, added = _Lay("vocab", True, head), "colwise: vocabulary-sharded logits"
+    elif cur.seq == "shard":
+        gather = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=True)
+        p.add(head, "gather_sequence_input (sp)", gather)
+        gives, added = _Lay("whole", False, head), "all-gather the sequence in"
+    else:
+        gives = _Lay("whole", False, head)
+    if gives.seq == "shard":
+        p.problem(
+            f"output head {head!r} gives each rank's Shard(1) slice of the sequence (the stream is left sharded); "
+            "give it input_layouts=Shard(1) with output_layouts=Replicate(), or loss_parallel=True"
+        )
+    elif gives.seq == "vocab" and not p.loss_parallel:
+        p.problem(
+            f"output head {head!r} gives vocabulary-sharded logits but loss_parallel=False; pass "
+            "loss_parallel=True and compute the loss under fsdptx.loss_parallel(), or gather its output (colwise_rep)"
+        )
+    elif gives.seq == "vocab" and not gives.dtensor:
+        p.problem(
+            f"output head {head!r} gives vocabulary-sharded logits as a plain tensor; loss parallelism needs "
+            "the DTensor: give it use_local_output=False"
+        )
+    elif p.loss_parallel and gives.seq != "vocab":
+        p.problem(
+            f"loss_parallel=True, but output head {head!r} gives {gives}; give it "
+            "ColwiseParallel(output_layouts=Shard(-1), use_local_output=False), or drop its entry from the plan"
+        )
+    p.step(head, "head", cur, gives, added)
+
+
+def output_head(model: nn.Module, index: ModelIndex) -> str | None:
+    """The FQN of the output head (see :func:`output_head_module`)."""
+    head = output_head_module(model, index.modules)
+    return None if head is None else index.fqn_of_module.get(id(head))
+
+
+def _declared_module(model: nn.Module, getter: str) -> nn.Module | None:
+    """What a Hugging Face model's ``get_output_embeddings`` /
+    ``get_input_embeddings`` returns; ``None`` where it has no such method or
+    its method declines."""
+    fn = getattr(model, getter, None)
+    if not callable(fn):
+        return None
+    try:
+        found = fn()
+    except (NotImplementedError, AttributeError):
+        return None
+    return found if isinstance(found, nn.Module) else None
+
+
+def output_head_module(model: nn.Module, modules: Mapping[str, nn.Module]) -> nn.Module | None:
+    """The output head: what a Hugging Face model's ``get_output_embeddings``
+    returns, else a root ``lm_head`` or ``output`` Linear (torchtitan's name)."""
+    found = _declared_module(model, "get_output_embeddings")
+    if found is not None:
+        return found
+    return next((m for name in ("lm_head", "output") if isinstance(m := modules.get(name), nn.Linear)), None)
+
+
+def input_embedding(model: nn.Module, index: ModelIndex, pre: tuple[str, ...]) -> str | None:
+    """The module the sequence enters through: ``get_input_embeddings()``
+    where the model has it, else the first ``nn.Embedding`` before the stack."""
+    found = _declared_module(model, "get_input_embeddings")
+    fqn = index.fqn_of_module.get(id(found)) if found is not None else None
+    return fqn if fqn is not None else next((f for f in pre if isinstance(index.modules[f], nn.Embedding)), None)
