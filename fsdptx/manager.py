@@ -432,7 +432,7 @@ class FSDP2Manager:
         import torch._inductor.config as inductor_config
 
         while self._inductor_micro_pipeline_tp:
-            inductor_config._micro_pipeline_tp = self._inductor_micro_pipeline_tp.pop()  # type: ignore[attr-defined]
+            inductor_config._micro_pipeline_tp = self._inductor_micro_pipeline_tp.pop()
 
     def gradient_sync_context(self, model: nn.Module, is_optimizer_step: bool) -> contextlib.AbstractContextManager[None]:
         """:func:`gradient_sync_context` with ``defer=config.defer_fsdp_grad_sync``."""
@@ -445,7 +445,7 @@ def _enable_async_tp(mesh: DeviceMesh) -> bool:
 
     previous: bool = inductor_config._micro_pipeline_tp
     group = tp_mesh(mesh)
-    inductor_config._micro_pipeline_tp = True  # type: ignore[attr-defined]
+    inductor_config._micro_pipeline_tp = True
     if group is None:
         return previous
     try:

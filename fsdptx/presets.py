@@ -41,7 +41,8 @@ class Attention(nn.Module):
         gate = torch.sigmoid(self.q_proj(x) * self.k_proj(x))
         v = self.v_proj(x)
         steps = torch.arange(1, x.shape[-2] + 1, device=x.device, dtype=v.dtype).unsqueeze(-1)
-        return self.o_proj(gate * (v.cumsum(-2) / steps))
+        out: torch.Tensor = self.o_proj(gate * (v.cumsum(-2) / steps))
+        return out
 
 
 class MLP(nn.Module):
@@ -52,7 +53,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class Sinks(nn.Module):
@@ -86,7 +88,8 @@ class Block(nn.Module):
         if self.gate is not None:
             h = h * torch.sigmoid(self.gate(x.to(self.gate.weight.dtype))).to(h.dtype)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x))
+        out: torch.Tensor = x + self.mlp(self.mlp_norm(x))
+        return out
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,8 @@ class Decoder(nn.Module):
         h = self.embed_tokens(tokens)
         for layer in self.layers:
             h = layer(h)
-        return self.lm_head(self.norm(h))
+        out: torch.Tensor = self.lm_head(self.norm(h))
+        return out
 
 
 def llama(layers: int = 16) -> Decoder:
@@ -196,8 +200,9 @@ class TitanAttention(nn.Module):
         cos, sin = rope[0, :seq, None, :], rope[1, :seq, None, :]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k, v = k.repeat_interleave(self.repeats, dim=2), v.repeat_interleave(self.repeats, dim=2)
-        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        mixed = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out: torch.Tensor = self.wo(mixed.transpose(1, 2).reshape(batch, seq, -1))
+        return out
 
 
 class TitanFeedForward(nn.Module):
@@ -208,7 +213,8 @@ class TitanFeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+        out: torch.Tensor = self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+        return out
 
 
 class TitanBlock(nn.Module):
@@ -223,7 +229,8 @@ class TitanBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+        out: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
+        return out
 
 
 class Titan(nn.Module):
@@ -253,7 +260,8 @@ class Titan(nn.Module):
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, self.rope)
-        return self.output(self.norm(h))
+        out: torch.Tensor = self.output(self.norm(h))
+        return out
 
 
 def titan(layers: int = 16) -> Titan:

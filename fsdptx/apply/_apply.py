@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.distributed._composable import checkpoint as composable_checkpoint  # type: ignore[attr-defined]
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -380,7 +380,7 @@ class _RecomputeMode(_CachedTorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace == "profiler":
             return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
 
 
 def _selective_context() -> tuple[Any, Any]:

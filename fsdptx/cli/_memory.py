@@ -235,7 +235,7 @@ class _StepTracker(FSDPMemTracker):
         return sample
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
         op = _COLLECTIVES.get(func._overloadpacket.__name__) if out is not NotImplemented else None
         if op is not None:
             self._record_collective(func, op, args)

@@ -136,7 +136,7 @@ def maximal_uniform_subtrees(
         if s is _EMPTY:
             continue
         if s is not _MIXED:
-            candidates.append((fqn, module, s))  # type: ignore[arg-type]
+            candidates.append((fqn, module, s))
             continue
         children = [(join_fqn(fqn, n), c) for n, c in module._modules.items() if c is not None]
         stack.extend(reversed(children))

@@ -16,6 +16,8 @@ shipped model loaded with ``dtype``.
 
 from __future__ import annotations
 
+from typing import cast
+
 import difflib
 import os
 import re
@@ -105,7 +107,7 @@ def _model_class(transformers: ModuleType, config: object) -> type[nn.Module]:
     for auto_name in ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel"):
         mapping = getattr(transformers, auto_name)._model_mapping
         if type(config) in mapping:
-            return mapping[type(config)]
+            return cast("type[nn.Module]", mapping[type(config)])
     raise ValueError(f"{type(config).__name__} has no model class registered with transformers' auto classes")
 
 
@@ -139,7 +141,7 @@ def _keep_in_fp32(model: nn.Module, storage_tokens: Sequence[str], compute_token
             if storage is not None and storage.search(prefix + name) and p.dtype != torch.float32:
                 p.data = p.data.to(torch.float32)
             if compute is not None and compute.search(prefix + name):
-                p._hf_compute_dtype = torch.float32  # type: ignore[attr-defined]
+                p._hf_compute_dtype = torch.float32
         if storage is None:
             continue
         for name, b in module._buffers.items():
@@ -195,4 +197,4 @@ def build_hf_model(
         model = model_class._from_config(config, dtype=dtype)  # type: ignore[attr-defined]
     strict = _names(getattr(model, "_keep_in_fp32_modules_strict", None), "_keep_in_fp32_modules_strict")
     _keep_in_fp32(model, (*_fp32_storage_tokens(model, dtype), *extra), (*strict, *extra))
-    return model
+    return cast(nn.Module, model)

@@ -179,7 +179,7 @@ def check_reshard(value: object, where: str) -> bool | int | None:
     caught here so a typo fails at planning, not inside the primitive after
     earlier units were already sharded."""
     if value is None or isinstance(value, bool) or (isinstance(value, int) and value >= 1):
-        return value  # type: ignore[return-value]
+        return value
     raise PlanningError(
         f"{where}: reshard_after_forward must be None, True, False or a positive int world size, "
         f"got {value!r}"

@@ -403,7 +403,7 @@ def _ranges(indices: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     out: list[str] = []
     start = prev = None
-    for i in indices + [None]:  # type: ignore[list-item]
+    for i in indices + [None]:
         if start is not None and (i is None or i != prev + 1):  # type: ignore[operator]
             out.append(str(start) if start == prev else f"{start}-{prev}")
             start = None

@@ -44,7 +44,7 @@ def _group_ranks(args: list[Any]) -> tuple[int, ...]:
             return tuple(dist.get_process_group_ranks(pg))
         if isinstance(a, str):  # functional collectives name their group
             try:
-                pg = dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type]
+                pg = dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type,attr-defined]
             except RuntimeError:
                 continue  # a reduce-op name such as "sum"
             return tuple(dist.get_process_group_ranks(pg))
@@ -53,7 +53,7 @@ def _group_ranks(args: list[Any]) -> tuple[int, ...]:
 
 class _Recorder(TorchDispatchMode):
     def __init__(self, out: list[Collective]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.out = out
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -29,7 +29,7 @@ def forget_world() -> None:
     """
     # What torch.distributed.tensor.debug._clear_sharding_prop_cache does,
     # without importing that package (it needs numpy).
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # type: ignore[attr-defined]
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
     _redistribute._gen_transform_infos.cache_clear()
     MeshTopoInfo.build_from_mesh.cache_clear()

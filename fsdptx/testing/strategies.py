@@ -107,6 +107,7 @@ def module_specs(
 @st.composite
 def tree_specs(
     draw: st.DrawFn,
+    /,
     *,
     max_ties: int = 1,
     **kwargs: object,

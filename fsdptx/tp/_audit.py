@@ -249,7 +249,7 @@ def _checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tenso
         return torch.zeros(0, dtype=torch.float64, device=device)
     sums = torch.stack([t.sum(dtype=torch.float64) if t.is_floating_point() else t.double().sum() for t in tensors])
     floats = [t if t.is_floating_point() else t.double() for t in tensors]
-    norms = torch.stack(torch._foreach_norm(floats, 2, dtype=torch.float64))  # type: ignore[call-arg]
+    norms = torch.stack(torch._foreach_norm(floats, 2, dtype=torch.float64))
     return torch.nan_to_num(torch.cat([sums.to(device), norms.to(device)]), nan=math.inf)
 
 

@@ -51,7 +51,7 @@ def _set(module: nn.Module, attr: str, value: object) -> None:
 def check_reduction(reduction: object, where: str) -> Reduction:
     if reduction not in REDUCTIONS:
         raise ValueError(f"{where}: unknown TP-replica reduction {reduction!r}; use one of {REDUCTIONS}")
-    return reduction  # type: ignore[return-value]
+    return reduction
 
 
 def mark_tp_replica_gradient_reduction(module: nn.Module, reduction: Reduction) -> None:

@@ -827,7 +827,7 @@ def _agree(
     work = dist.all_to_all_single(received, values[:half], group=ctx.group, async_op=True)
 
     def finish() -> None:
-        work.wait()  # type: ignore[union-attr]
+        work.wait()
         rows = received.view(size, _AGREEMENT_FIELDS).tolist()
         if all(row[:3] == rows[0][:3] for row in rows):
             if any(row[3] for row in rows):
@@ -837,7 +837,7 @@ def _agree(
             max_bytes,
             {e.fqn: d for e, d in zip(layout.entries, layout.descriptions)},
             {e.fqn: _STATE_NAMES[s] for e, s in zip(layout.entries, states)},
-            dict(d.split("\0", 1) for d in deviations),  # type: ignore[misc]
+            dict(d.split("\0", 1) for d in deviations),
             sparse,
         )
         found: list[_Description | None] = [None] * size
