@@ -284,8 +284,9 @@ def _check_checkpointing(ac: Checkpointing | None, model: nn.Module) -> list[str
     return problems
 
 
-def _turn_kv_cache_off(model: nn.Module) -> None:
-    """Set every ``use_cache`` that is on to ``False``, with a warning naming it.
+def turn_kv_cache_off(model: nn.Module) -> list[str]:
+    """Set every ``use_cache`` that is on to ``False``; returns where (paths
+    such as ``model.config.use_cache``).
 
     A forward that fills a KV cache recomputes a different op sequence in
     backward than it ran (the cache has grown by then), which checkpointing
@@ -293,6 +294,7 @@ def _turn_kv_cache_off(model: nn.Module) -> None:
     own gradient checkpointing and the reference turn it off the same way.
     Each distinct config object the modules hold is visited (a multimodal
     model's language model reads its text config, not the top-level one)."""
+    changed: list[str] = []
     seen: set[int] = set()
     for fqn, module in model.named_modules():
         config = module.__dict__.get("config")
@@ -301,11 +303,18 @@ def _turn_kv_cache_off(model: nn.Module) -> None:
         seen.add(id(config))
         if getattr(config, "use_cache", None) is True:
             config.use_cache = False
-            logger.warning(
-                "activation checkpointing: set %s = False (a KV cache filled in a checkpointed forward "
-                "cannot be recomputed in backward)",
-                f"model.{fqn}.config.use_cache" if fqn else "model.config.use_cache",
-            )
+            changed.append(f"model.{fqn}.config.use_cache" if fqn else "model.config.use_cache")
+    return changed
+
+
+def _turn_kv_cache_off(model: nn.Module) -> None:
+    """:func:`turn_kv_cache_off`, with a warning naming each switch."""
+    for path in turn_kv_cache_off(model):
+        logger.warning(
+            "activation checkpointing: set %s = False (a KV cache filled in a checkpointed forward "
+            "cannot be recomputed in backward)",
+            path,
+        )
 
 
 def _is_checkpointed(module: nn.Module) -> bool:

@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from ..apply._apply import turn_kv_cache_off
 from ._report import OPTIMIZER_STATES, ParamShard
 
 __all__ = ["Collective", "MemoryEstimate", "Sample", "estimate_memory", "trace_step"]
@@ -543,23 +544,10 @@ def estimate_memory(
 
 def disable_kv_cache(model: nn.Module) -> list[str]:
     """Turn off ``use_cache`` on every config the model's modules hold and
-    return where (``config.use_cache``, ``model.config.use_cache``, ...).
-
-    Checkpointed blocks re-run their forward in backward; a KV cache would
-    grow there, so Hugging Face turns it off under gradient checkpointing,
-    and ``parallelize`` refuses checkpointing while it is on. The dry run
-    builds its own model, so it decides the same way as a training run."""
-    changed: list[str] = []
-    seen: set[int] = set()
-    for fqn, module in model.named_modules():
-        config = module.__dict__.get("config")
-        if config is None or id(config) in seen:
-            continue
-        seen.add(id(config))
-        if getattr(config, "use_cache", None) is True:
-            config.use_cache = False
-            changed.append(f"{fqn}.config.use_cache" if fqn else "config.use_cache")
-    return changed
+    return where, before the dry run plans: the dry run builds its own
+    model and decides as ``parallelize`` does under checkpointing (see
+    :func:`fsdptx.apply._apply.turn_kv_cache_off`), without its warnings."""
+    return turn_kv_cache_off(model)
 
 
 def traced(model: nn.Module, plan: Any, applied: str, batch_seq: tuple[int, int], mesh: DeviceMesh) -> Trace:
