@@ -1,8 +1,8 @@
 """``python -m fsdptx plan``: a dry run of FSDP2Manager, driven through ``main``.
 
 Every case calls :func:`fsdptx.cli._main.main` in-process (fast); the real
-``python -m fsdptx`` entry point runs in ``test_cli_hardening.py``. HF
-models, the memory plan and hardening have files of their own
+``python -m fsdptx`` entry point runs in ``test_cli_refusals.py``. HF
+models, the memory plan and refusals have files of their own
 (``test_cli_*.py``).
 """
 

@@ -1,5 +1,5 @@
-"""Argument validation and the layout cache of TP sync, on fake meshes
-(issue 8, items 5 and 9.1). Real peers disagreeing are in
+"""Argument validation and the layout cache of TP sync, on fake meshes.
+Real peers disagreeing are in
 ``test_sync_agreement_gloo.py``."""
 
 from __future__ import annotations

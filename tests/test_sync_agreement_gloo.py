@@ -1,5 +1,5 @@
-"""TP peers that disagree on anything shaping the collectives (issue 8,
-items 1-5), on 2 real gloo ranks forming one TP group.
+"""TP peers that disagree on anything shaping the collectives, on 2 real
+gloo ranks forming one TP group.
 
 One spawn runs every scenario in turn and reports, per rank, what each call
 raised, how long it took, and whether any gradient or tensor changed; a

@@ -1,4 +1,4 @@
-"""MTP guards raise the reference's exception types (issue 8, item 14).
+"""MTP guards raise the reference's exception types.
 
 Callers of the reference catch ``RuntimeError`` (MTP + CP) and
 ``NotImplementedError`` (MTP + CP + PP); earlier fsdptx raised ``ValueError``

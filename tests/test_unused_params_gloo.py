@@ -1,5 +1,5 @@
 """Unused-parameter reduction under mixed precision and gradient accumulation
-(issue 8, item 13), on 2 gloo ranks.
+on 2 gloo ranks.
 
 The default training setup: bf16 compute, fp32 reduce, one micro-batch
 without gradient sync (``set_requires_gradient_sync(False)``) then one with.

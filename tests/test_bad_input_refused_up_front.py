@@ -1,4 +1,4 @@
-"""Bad input is refused up front, naming what is wrong (issue: hardening).
+"""Bad input is refused up front, naming what is wrong.
 
 Every case here used to be accepted and fail later (or never): an unknown
 reduction treated as another, a string policy sharding every unit before
