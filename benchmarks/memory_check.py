@@ -12,29 +12,28 @@ and what the dry run costs.
    (``--batch 1 --seq 4096``, dp=8; target under 60 s) and of ``--fit``
    over every mesh of 64 GPUs (target under 5 minutes).
 
-Run: ``PYTHONPATH=. python benchmarks/memory_check.py [--layers 16] [--seq 2048] [--skip-timing]``
+Run: ``PYTHONPATH=.:tests python benchmarks/memory_check.py [--layers 16] [--seq 2048] [--skip-timing]``
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 import fsdptx
 from fsdptx.cli._main import main
-from fsdptx.cli._memory import _own_propagation_fake_mode
 from fsdptx.presets import build_preset
 from fsdptx.testing import fake_mesh
 
 from _timing import seconds  # benchmarks/ is on sys.path when run as a script
+from tracker_recipe import tracker_reference  # tests/ on PYTHONPATH
 
 LLAMA_70B = (
     "num_hidden_layers=80,hidden_size=8192,intermediate_size=28672,num_attention_heads=64,"
@@ -43,40 +42,8 @@ LLAMA_70B = (
 
 
 def reference(layers: int, seq: int, shape: Sequence[int], names: Sequence[str], config: fsdptx.FSDP2Config) -> dict[str, int]:
-    """The plain FSDPMemTracker recipe on the llama preset."""
-    with torch.device("meta"):
-        model = build_preset("llama", layers)
-    with fake_mesh(shape, names) as mesh:
-        fsdptx.FSDP2Manager(config, mesh).parallelize(model)
-        with FakeTensorMode(allow_non_fake_inputs=True), _own_propagation_fake_mode():
-            model.to_empty(device="cpu")
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-            tokens = torch.randint(0, 32000, (1, seq))
-            labels = torch.randint(0, 32000, (1, seq))
-            tracker = FSDPMemTracker(model, optimizer)
-            tracker.track_inputs((tokens, labels))
-            with tracker:
-                for iteration in range(2):
-                    start = tracker.get_tracker_snapshot()
-                    logits = model(tokens)
-                    loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
-                    del logits
-                    forward = tracker.get_tracker_snapshot()
-                    loss.backward()
-                    backward = tracker.get_tracker_snapshot()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    if iteration == 0:
-                        tracker.reset_mod_stats()
-            peak = tracker.get_tracker_snapshot("peak")
-    (dev,) = peak
-    return {
-        "params": start[dev]["Sharded Param"],
-        "grads": backward[dev]["Sharded Grad"],
-        "optimizer": start[dev]["OptState"],
-        "activations": forward[dev]["Activation"],
-        "peak": peak[dev]["Total"],
-    }
+    """The plain FSDPMemTracker recipe on the llama preset (``tests/tracker_recipe.py``)."""
+    return dataclasses.asdict(tracker_reference(layers, seq, shape, names, config))
 
 
 def planned(layers: int, seq: int, shape: Sequence[int], names: Sequence[str], config: fsdptx.FSDP2Config) -> dict[str, int]:

@@ -11,19 +11,16 @@ activations within 15%, peak within -10%/+15%.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import pytest
 import torch
-from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 import fsdptx
-from fsdptx.cli._memory import _own_propagation_fake_mode
 from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import build_preset
 from fsdptx.testing import fake_mesh
+
+from tracker_recipe import Reference, tracker_reference
 
 SEQ = 256
 LAYERS = 2
@@ -32,53 +29,6 @@ CASES = {
     "dp4-ac-full": ((4,), ("dp",), FSDP2Config(activation_checkpointing="full")),
     "dp2xtp2-sp": ((2, 2), ("dp", "tp"), FSDP2Config(sequence_parallel=True)),
 }
-
-
-@dataclass(frozen=True)
-class Reference:
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-    peak: int
-
-
-def tracker_reference(shape: Sequence[int], names: Sequence[str], config: FSDP2Config) -> Reference:
-    with torch.device("meta"):
-        model = build_preset("llama", LAYERS)
-    with fake_mesh(shape, names) as mesh:
-        FSDP2Manager(config, mesh).parallelize(model)
-        # The caveat of this recipe on torch 2.13: DTensor's shape propagation
-        # must not run in the tracked fake mode, or its tensors are counted.
-        with FakeTensorMode(allow_non_fake_inputs=True), _own_propagation_fake_mode():
-            model.to_empty(device="cpu")
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-            tokens = torch.randint(0, 32000, (1, SEQ))
-            labels = torch.randint(0, 32000, (1, SEQ))
-            tracker = FSDPMemTracker(model, optimizer)
-            tracker.track_inputs((tokens, labels))
-            with tracker:
-                for iteration in range(2):
-                    at_start = tracker.get_tracker_snapshot()
-                    logits = model(tokens)
-                    loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
-                    del logits
-                    before_backward = tracker.get_tracker_snapshot()
-                    loss.backward()
-                    after_backward = tracker.get_tracker_snapshot()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    if iteration == 0:
-                        tracker.reset_mod_stats()
-            peak = tracker.get_tracker_snapshot("peak")
-    (dev,) = peak
-    return Reference(
-        params=at_start[dev]["Sharded Param"],
-        grads=after_backward[dev]["Sharded Grad"],
-        optimizer=at_start[dev]["OptState"],
-        activations=before_backward[dev]["Activation"],
-        peak=peak[dev]["Total"],
-    )
 
 
 def planned(shape: Sequence[int], names: Sequence[str], config: FSDP2Config) -> fsdptx.MemoryEstimate:
@@ -91,7 +41,7 @@ def planned(shape: Sequence[int], names: Sequence[str], config: FSDP2Config) -> 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request: pytest.FixtureRequest) -> tuple[fsdptx.MemoryEstimate, Reference]:
     shape, names, config = CASES[request.param]
-    return planned(shape, names, config), tracker_reference(shape, names, config)
+    return planned(shape, names, config), tracker_reference(LAYERS, SEQ, shape, names, config)
 
 
 def within(value: int, reference: int, low: float, high: float) -> bool:
