@@ -20,7 +20,6 @@ from ..model._index import ModelIndex, PlanningError
 from ..plan._kinds import unit_blind
 from ..plan._transforms import block_fqns, model_index
 from ..plan._types import Plan, Reduction, TensorParallel, TPAssignment
-from ..plan._types import preview
 from ._layout import StyleSpec, output_head_module, sequence_layout
 from ._styles import REPLICA_SUM_STYLES, STYLE_NAMES, UNSUPPORTED_STYLES, describe_style
 
