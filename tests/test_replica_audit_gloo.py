@@ -13,6 +13,7 @@ mesh in this process.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdptx
 from fsdptx.presets import Decoder, DecoderConfig
+from fsdptx.tp._replicas import layout_cache
 from fsdptx.testing import assert_replicas_in_sync, fake_mesh, record_collectives, run_distributed
 
 WORLD = 4
@@ -64,6 +66,33 @@ def summary(audit: fsdptx.ReplicaAudit) -> dict[str, Any]:
     }
 
 
+def checksum_blind_drifts(model: nn.Module, mesh: Any) -> dict[str, Any]:
+    """Drifts a plain sum or norm of the copies cannot see, on TP rank 1 of
+    each TP group: two elements swapped, then (with an infinity in the same
+    place on every rank, which makes any sum infinite) one other element
+    changed."""
+    out: dict[str, Any] = {}
+    tp_rank = mesh.get_coordinate()[1]
+    weight = dict(model.named_parameters())[SINKS[0]]
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    with torch.no_grad():
+        local.copy_(torch.arange(local.numel(), dtype=local.dtype).reshape(local.shape) / 8)
+        if tp_rank == 1:
+            flat = local.view(-1)
+            flat[0], flat[1] = flat[1].clone(), flat[0].clone()
+        out["swapped"] = summary(fsdptx.audit_replicas([model], mesh))
+        local.copy_(torch.arange(local.numel(), dtype=local.dtype).reshape(local.shape) / 8)
+        local.view(-1)[0] = math.inf
+        out["inf_everywhere"] = summary(fsdptx.audit_replicas([model], mesh))
+        if tp_rank == 1:
+            local.view(-1)[2] += 0.5
+        out["inf_and_a_change"] = summary(fsdptx.audit_replicas([model], mesh))
+        if tp_rank == 1:
+            local.view(-1)[2] = math.nan
+        out["nan_on_one_copy"] = summary(fsdptx.audit_replicas([model], mesh, rtol=0.1))
+    return out
+
+
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -74,6 +103,10 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         fsdptx.FSDP2Manager(SP_FP32, mesh).parallelize(model)
         train(model, mesh, sync=sync, dp_rank=dp_rank)
         out[name] = summary(fsdptx.audit_replicas([model], mesh))
+        with layout_cache(False):
+            out[f"{name}_uncached"] = summary(fsdptx.audit_replicas([model], mesh))
+        if sync:
+            out.update(checksum_blind_drifts(model, mesh))
         if not sync:
             try:
                 assert_replicas_in_sync(model, mesh)
@@ -131,6 +164,34 @@ def test_without_tp_replica_sync_exactly_the_sinks_drift_in_both_tp_groups(runs:
             (fqn, "tp", group) for fqn in SINKS for group in ((0, 1), (2, 3))
         ], f"rank {rank}"
         assert all(diff > 1e-4 for *_, diff in found)
+
+
+def test_the_audit_finds_the_same_drift_with_its_tensor_cache_off(runs: list[dict[str, Any]]) -> None:
+    for r in runs:
+        for name in ("synced", "unsynced"):
+            assert r[f"{name}_uncached"] == r[name], name
+
+
+def test_two_swapped_elements_are_named_though_their_sum_and_norm_agree(runs: list[dict[str, Any]]) -> None:
+    for r in runs:
+        assert [(f, dim, ranks, diff) for f, dim, ranks, diff in r["swapped"]["drifted"]] == [
+            (SINKS[0], "tp", group, 0.125) for group in ((0, 1), (2, 3))
+        ]
+
+
+def test_an_infinity_on_every_copy_is_no_drift_and_hides_no_other_change(runs: list[dict[str, Any]]) -> None:
+    for r in runs:
+        assert r["inf_everywhere"]["ok"], r["inf_everywhere"]["text"]
+        assert [(f, dim, ranks, diff) for f, dim, ranks, diff in r["inf_and_a_change"]["drifted"]] == [
+            (SINKS[0], "tp", group, 0.5) for group in ((0, 1), (2, 3))
+        ]
+
+
+def test_a_nan_on_one_copy_is_an_infinite_drift_under_any_tolerance(runs: list[dict[str, Any]]) -> None:
+    for r in runs:
+        assert [(f, dim, ranks, diff) for f, dim, ranks, diff in r["nan_on_one_copy"]["drifted"]] == [
+            (SINKS[0], "tp", group, math.inf) for group in ((0, 1), (2, 3))
+        ]
 
 
 def test_the_audit_is_identical_on_every_rank(runs: list[dict[str, Any]]) -> None:

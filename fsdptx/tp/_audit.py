@@ -8,11 +8,15 @@ copy on every data-parallel rank. A forgotten sync, a rank-dependent
 initialization or a bad checkpoint load lets them drift apart silently: the
 loss still goes down. The audit finds that in CI, or every N steps in a job.
 
-It is cheap when all is well: per group, one flat buffer of two fp64
-checksums per tensor (sum and L2 norm of the rank-local storage) reduced
-once with MAX over the checksums and their negations, so every peer learns
-the largest and smallest of each; only tensors whose checksums differ
-("suspects") are compared element by element, the same way.
+It is cheap when all is well: per group, one flat buffer of one fp64
+checksum per tensor (a position-weighted sum of the rank-local storage)
+reduced once with MAX over the checksums and their negations, so every peer
+learns the largest and smallest of each; only tensors whose checksums
+differ or are not finite ("suspects") are compared element by element, the
+same way. Which tensors each group compares is derived once and cached on
+the model like the TP-replica sync's layout (off inside
+``fsdptx.tp._replicas.layout_cache(False)``), so a repeated audit does not
+walk the model.
 
 Collective discipline is the sync's: arguments are checked before the
 first collective; the peers of each group agree first (MAX of counts and
@@ -35,8 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from ..core._meshes import KNOWN_DIMS
-from ..core._tree import iter_unique_named_buffers, iter_unique_named_parameters
-from ._replicas import _describe_tensor, _device, _digest, _local, _TPContext, _walk
+from ._replicas import _device, _Layout, _layout, _TPContext
 
 __all__ = ["DP_DIMS", "Drift", "ReplicaAudit", "audit_replicas", "audit_replicas_every", "format_drift"]
 
@@ -145,16 +148,12 @@ class _Group:
     dim: str
     group: dist.ProcessGroup
     ranks: tuple[int, ...]
-    fqns: list[str]
-    tensors: list[torch.Tensor]  # rank-local storage
-    digest: int
+    layout: _Layout  # which tensors, in which order, and their digest
+    tensors: list[torch.Tensor]  # rank-local storage, one per layout entry
 
-
-def _all_tensors(parts: list[nn.Module], buffers: bool) -> list[tuple[str, torch.Tensor]]:
-    """Every distinct parameter (and buffer), rank-stable, no exclusions:
-    what data-parallel replicas must hold alike."""
-    found: list[tuple[str, torch.Tensor]] = list(iter_unique_named_parameters(parts))
-    return found + list(iter_unique_named_buffers(parts)) if buffers else found
+    @property
+    def fqns(self) -> list[str]:
+        return [e.fqn for e in self.layout.entries]
 
 
 def _groups(
@@ -163,29 +162,27 @@ def _groups(
     """One group per audited mesh dim of size > 1 (in mesh order): the TP
     dim compares exactly what the TP-replica sync keeps in step (its walk,
     exclusions and replication test), a data-parallel dim every tensor
-    whose placements replicate it along that dim."""
+    whose placements replicate it along that dim, excluded subtrees too.
+
+    Each group's tensors come from the sync's layout machinery, so they are
+    cached on the model like the sync's and re-derived only when the model,
+    its marks or the mesh changed (:func:`fsdptx.tp._replicas._layout`)."""
     names = mesh.mesh_dim_names or ()
     rank = dist.get_rank()
-    everything: list[tuple[str, torch.Tensor]] | None = None
     groups: list[_Group] = []
     for name, size in zip(names, mesh.shape):
         if size == 1 or (name != tp_axis_name and name not in DP_DIMS):
             continue
         group = mesh.get_group(name)
         ranks = tuple(dist.get_process_group_ranks(group))
-        if name == tp_axis_name:
-            params, bufs, _modules = _walk(parts)
-            candidates = [(e.fqn, e.tensor) for e in (*params, *(bufs if buffers else []))]
-        else:
-            everything = everything if everything is not None else _all_tensors(parts, buffers)
-            candidates = everything
         # The sync's replication test, with this dim's peers in the TP role.
-        replicated = _TPContext(group, group.group_name, ranks, rank, device).replicated()
-        kept = [(f, t) for f, t in candidates if replicated(t)]
-        text = "\n".join(f"{f} {_describe_tensor(t)}" for f, t in kept)
-        groups.append(
-            _Group(name, group, ranks, [f for f, _ in kept], [_local(t).detach() for _, t in kept], _digest(text))
+        ctx = _TPContext(group, group.group_name, ranks, rank, device)
+        layout = _layout(
+            parts, ctx, 0, f"audit {name}", with_buffers=buffers, honour_exclusions=name == tp_axis_name
         )
+        local = layout.placed_locals(layout.tensors)
+        assert local is not None, "a valid layout's DTensors keep their placements"
+        groups.append(_Group(name, group, ranks, layout, [t.detach() for t in local]))
     return groups
 
 
@@ -231,7 +228,7 @@ def _order_key(d: Drift) -> tuple[str, tuple[int, ...]]:
 def _disagreement(g: _Group) -> str:
     """Names what the peers of ``g`` disagree on (one all-gather of
     descriptions within the group, which all its members run)."""
-    mine = {f: _describe_tensor(t) for f, t in zip(g.fqns, g.tensors)}
+    mine = dict(zip(g.fqns, g.layout.descriptions))
     found: list[Any] = [None] * len(g.ranks)
     dist.all_gather_object(found, mine, group=g.group)
     lines = []
@@ -242,15 +239,52 @@ def _disagreement(g: _Group) -> str:
     return "\n  ".join(lines[:20] + ([f"... and {len(lines) - 20} more"] if len(lines) > 20 else []))
 
 
+# Elements per span of the checksum's weights: a tensor longer than this is
+# summed span by span, each span scaled by its own factor, so the transient
+# fp64 copy and the weights stay within 8 MiB each.
+_CHECKSUM_SPAN = 2**20
+_GOLDEN = (5**0.5 - 1) / 2
+
+
+def _weights(numel: int, device: torch.device) -> torch.Tensor:
+    """Fixed weights in [1, 2), the same on every rank: the fractional parts
+    of multiples of the golden ratio, so no two positions weigh alike."""
+    return torch.arange(1, numel + 1, dtype=torch.float64, device=device).mul_(_GOLDEN).frac_().add_(1.0)
+
+
+def _checksum(t: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One fp64 checksum of ``t``'s values: their sum weighted by position.
+
+    Unlike a plain sum or norm it changes when elements are swapped, negated
+    or changed in compensating pairs; in fp64 a change of one ulp of one
+    element shows unless that element is tiny against the whole tensor. A
+    non-finite element makes it non-finite, which the caller treats as a
+    suspect (compared elementwise), never as equal."""
+    flat = t.reshape(-1)
+    n = flat.numel()
+    # mul + sum, not dot: the product promotes to fp64 in one elementwise
+    # kernel, and a BLAS dot's threads stall on a busy host.
+    if n <= _CHECKSUM_SPAN:
+        return torch.mul(flat, weights[:n]).sum()
+    total = torch.zeros((), dtype=torch.float64, device=weights.device)
+    for i, span in enumerate(flat.split(_CHECKSUM_SPAN)):
+        scale = 1.0 + (i + 1) * _GOLDEN % 1.0
+        total += scale * torch.mul(span, weights[: span.numel()]).sum()
+    return total
+
+
 def _checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Two fp64 checksums per tensor, sum and L2 norm, NaN replaced by a
-    marker so that NaN on one copy only still differs."""
+    """One fp64 checksum per tensor (:func:`_checksum`), NaN as ``inf``."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    sums = torch.stack([t.sum(dtype=torch.float64) if t.is_floating_point() else t.double().sum() for t in tensors])
-    floats = [t if t.is_floating_point() else t.double() for t in tensors]
-    norms = torch.stack(torch._foreach_norm(floats, 2, dtype=torch.float64))
-    return torch.nan_to_num(torch.cat([sums.to(device), norms.to(device)]), nan=math.inf)
+    by_device: dict[torch.device, torch.Tensor] = {}
+    sums = []
+    for t in tensors:
+        w = by_device.get(t.device)
+        if w is None:
+            w = by_device[t.device] = _weights(min(_CHECKSUM_SPAN, max(x.numel() for x in tensors)), t.device)
+        sums.append(_checksum(t, w))
+    return torch.nan_to_num(torch.stack(sums).to(device), nan=math.inf, posinf=math.inf, neginf=-math.inf)
 
 
 # Elements of suspects compared per collective: each travels as two fp64
@@ -281,9 +315,11 @@ def _compare_suspects(
     out: list[float | None] = []
     for chunk in _suspect_chunks([t.numel() for t in tensors]):
         flat = torch.cat([tensors[i].reshape(-1).to(device, torch.float64) for i in chunk])
-        high, low = _max_and_min(torch.nan_to_num(flat, nan=math.inf), g.group)
+        high, low = _max_and_min(torch.nan_to_num(flat, nan=math.inf, posinf=math.inf, neginf=-math.inf), g.group)
         spread = torch.where(high == low, torch.zeros_like(high), high - low)  # equal infinities: no spread
-        over = spread > atol + rtol * torch.maximum(high.abs(), low.abs())
+        # An infinite spread (a copy is infinite or NaN where another is not)
+        # is drift under any tolerance; rtol * inf would make it NaN, never over.
+        over = (spread > atol + rtol * torch.maximum(high.abs(), low.abs())) | spread.isinf()
         for part, bad in zip(spread.split([tensors[i].numel() for i in chunk]), over.split([tensors[i].numel() for i in chunk])):
             out.append(float(part.max()) if bool(bad.any()) else None)
     return out
@@ -309,7 +345,7 @@ def audit_replicas(
     replicated shards, plain parameters). Rank-local storage is compared.
 
     Per group: one agreement (MAX of count and layout digest), one MAX
-    all-reduce of two fp64 checksums per tensor, then for suspects only an
+    all-reduce of one fp64 checksum per tensor, then for suspects only an
     elementwise MAX all-reduce (per chunk of at most 2**22 elements).
     Across the mesh, unless one audited dim spans it (then the group's
     results already are the mesh's): a flag per stage and, only when
@@ -361,7 +397,7 @@ def audit_replicas(
     # 1. Each group agrees on its layout; the mesh learns where it did not.
     disagree = []
     for g in groups:
-        fields = torch.tensor([len(g.fqns), g.digest], dtype=torch.int64, device=device)
+        fields = torch.tensor([len(g.tensors), g.layout.digest], dtype=torch.int64, device=device)
         high, low = _max_and_min(fields, g.group)
         disagree.append(int(not torch.equal(high, low)))
     flags = torch.tensor(disagree, dtype=torch.int64, device=device)
@@ -387,7 +423,7 @@ def audit_replicas(
         if not g.tensors:  # the peers agreed there is nothing: no collective
             continue
         high, low = _max_and_min(_checksums(g.tensors, device), g.group)
-        suspects = (high != low).view(2, len(g.tensors)).any(0).nonzero().flatten().tolist()
+        suspects = ((high != low) | ~high.isfinite() | ~low.isfinite()).nonzero().flatten().tolist()
         if suspects:
             diffs = _compare_suspects([g.tensors[i] for i in suspects], g, atol, rtol, device)
             records += [Drift(g.fqns[i], g.dim, g.ranks, d) for i, d in zip(suspects, diffs) if d is not None]

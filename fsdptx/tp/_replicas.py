@@ -13,7 +13,9 @@ import hashlib
 import math
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 
@@ -234,13 +236,17 @@ class _Entry:
     reduction: Reduction
 
 
-def _walk(parts: list[nn.Module]) -> tuple[list[_Entry], list[_Entry], list[nn.Module]]:
+def _walk(
+    parts: list[nn.Module], *, honour_exclusions: bool = True
+) -> tuple[list[_Entry], list[_Entry], list[nn.Module]]:
     """Every parameter and buffer outside excluded subtrees, once each, in
     rank-stable order, plus every module visited (what the cache watches).
 
     A tensor reachable under an excluded module through any of its names stays
     rank-local. A tied parameter takes the reduction of its smallest name, so
-    every rank resolves a conflict the same way.
+    every rank resolves a conflict the same way. ``honour_exclusions=False``
+    keeps excluded subtrees too: data-parallel replicas must hold even a
+    TP-rank-local tensor alike (the replica audit's data-parallel dims).
     """
     params: list[tuple[int, str, torch.Tensor, Reduction]] = []
     buffers: list[tuple[int, str, torch.Tensor, Reduction]] = []
@@ -251,7 +257,7 @@ def _walk(parts: list[nn.Module]) -> tuple[list[_Entry], list[_Entry], list[nn.M
         while stack:
             fqn, module, under_excluded = stack.pop()
             modules.append(module)
-            under_excluded = under_excluded or is_excluded_from_tp_replica_sync(module)
+            under_excluded = under_excluded or (honour_exclusions and is_excluded_from_tp_replica_sync(module))
             prefix = fqn + "." if fqn else ""
             marks = module_reductions(module)
             for name, p in module._parameters.items():
@@ -447,22 +453,36 @@ def _cache_of(part: nn.Module) -> _LayoutCache | None:
     return cache if isinstance(cache, _LayoutCache) else None
 
 
-def _layout(
-    parts: list[nn.Module], ctx: _TPContext, max_bytes: int, op: str, with_buffers: bool
+_LAYOUT_CACHE: ContextVar[bool] = ContextVar("fsdptx_tp_layout_cache", default=True)
+
+
+@contextmanager
+def layout_cache(enabled: bool) -> Iterator[None]:
+    """Turn the layout cache of the TP-replica sync, broadcast and audit on
+    or off within the block. Off, every call derives its layout from a fresh
+    walk (:func:`_derive_layout`), stores nothing on the model and leaves any
+    stored cache untouched: the plain path the cached one must equal."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"layout_cache: enabled must be a bool, got {enabled!r}")
+    token = _LAYOUT_CACHE.set(enabled)
+    try:
+        yield
+    finally:
+        _LAYOUT_CACHE.reset(token)
+
+
+def _derive_layout(
+    parts: list[nn.Module],
+    ctx: _TPContext,
+    max_bytes: int,
+    op: str,
+    with_buffers: bool,
+    key: tuple[object, ...],
+    honour_exclusions: bool,
 ) -> _Layout:
-    """The cached layout of ``parts`` for ``op`` ("sync" or "broadcast"),
-    rebuilt when anything it was derived from changed."""
-    # The group by name, never the object (see _RememberedContext).
-    key = (op, tuple(map(id, parts)), ctx.group_name, ctx.ranks, max_bytes, marks_generation())
-    cache = _cache_of(parts[0])
-    if cache is None:
-        cache = _LayoutCache()
-        parts[0].__dict__[_CACHE_ATTR] = cache
-    found = cache.get(op)
-    if found is not None and found.valid(key):
-        return found
-    cache.pop(op, None)  # release the old plan's buffer before building anew
-    params, buffers, modules = _walk(parts)
+    """The layout of ``parts`` for ``op``, from a fresh walk: the plain
+    function the cache (:func:`_layout`) stands in front of."""
+    params, buffers, modules = _walk(parts, honour_exclusions=honour_exclusions)
     replicated = ctx.replicated()
     entries = [e for e in (*params, *buffers) if replicated(e.tensor)] if with_buffers else [
         e for e in params if replicated(e.tensor)
@@ -472,7 +492,7 @@ def _layout(
         for e in entries
     ]
     text = "\n".join(f"{e.fqn} {d}" for e, d in zip(entries, descriptions))
-    layout = _Layout(
+    return _Layout(
         key=key,
         structure=_Structure(modules, with_buffers),
         entries=entries,
@@ -483,8 +503,40 @@ def _layout(
         placements=[tuple(e.tensor.placements) if isinstance(e.tensor, DTensor) else None for e in entries],
         digest=_digest(f"{op} max_bytes={max_bytes}\n{text}"),
     )
-    cache[op] = layout
+
+
+def _layout(
+    parts: list[nn.Module],
+    ctx: _TPContext,
+    max_bytes: int,
+    op: str,
+    with_buffers: bool,
+    *,
+    honour_exclusions: bool = True,
+) -> _Layout:
+    """:func:`_derive_layout`, cached per ``op`` on the first model part and
+    rebuilt when anything it was derived from changed; with the cache off
+    (:func:`layout_cache`), derived afresh and not stored."""
+    # The group by name, never the object (see _RememberedContext).
+    key = (op, tuple(map(id, parts)), ctx.group_name, ctx.ranks, max_bytes, marks_generation(), honour_exclusions)
+    if not _LAYOUT_CACHE.get():
+        return _derive_layout(parts, ctx, max_bytes, op, with_buffers, key, honour_exclusions)
+    cache = _cache_of(parts[0])
+    if cache is None:
+        cache = _LayoutCache()
+        parts[0].__dict__[_CACHE_ATTR] = cache
+    found = cache.get(op)
+    if found is not None and found.valid(key):
+        return found
+    cache.pop(op, None)  # release the old plan's buffer before building anew
+    layout = cache[op] = _derive_layout(parts, ctx, max_bytes, op, with_buffers, key, honour_exclusions)
     return layout
+
+
+def _context_cache(parts: list[nn.Module]) -> _LayoutCache | None:
+    """Where :func:`_tp_context` remembers the TP context: the model's cache,
+    or nowhere while the cache is off."""
+    return _cache_of(parts[0]) if _LAYOUT_CACHE.get() else None
 
 
 # ----------------------------------------------------------------------------
@@ -948,7 +1000,7 @@ def broadcast_tp_replicas(
     """
     where = "broadcast_tp_replicas"
     parts, max_bytes = _check_arguments(where, model_parts, device_mesh, tp_axis_name, max_bytes)
-    ctx = _tp_context(device_mesh, tp_axis_name, _cache_of(parts[0]))
+    ctx = _tp_context(device_mesh, tp_axis_name, _context_cache(parts))
     if ctx is None:
         return 0
     layout = _layout(parts, ctx, max_bytes, "broadcast", with_buffers=True)
@@ -1027,7 +1079,7 @@ def synchronize_tp_replica_gradients(
     """
     where = "synchronize_tp_replica_gradients"
     parts, max_bytes = _check_arguments(where, model_parts, device_mesh, tp_axis_name, max_bytes)
-    ctx = _tp_context(device_mesh, tp_axis_name, _cache_of(parts[0]))
+    ctx = _tp_context(device_mesh, tp_axis_name, _context_cache(parts))
     if ctx is None:
         return 0
     layout = _layout(parts, ctx, max_bytes, "sync", with_buffers=False)
