@@ -182,7 +182,7 @@ def _groups(
         )
         local = layout.placed_locals(layout.tensors)
         assert local is not None, "a valid layout's DTensors keep their placements"
-        groups.append(_Group(name, group, ranks, layout, [t.detach() for t in local]))
+        groups.append(_Group(name, group, ranks, layout, local))
     return groups
 
 
@@ -261,30 +261,45 @@ def _checksum(t: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     non-finite element makes it non-finite, which the caller treats as a
     suspect (compared elementwise), never as equal."""
     flat = t.reshape(-1)
-    n = flat.numel()
-    # mul + sum, not dot: the product promotes to fp64 in one elementwise
-    # kernel, and a BLAS dot's threads stall on a busy host.
-    if n <= _CHECKSUM_SPAN:
-        return torch.mul(flat, weights[:n]).sum()
     total = torch.zeros((), dtype=torch.float64, device=weights.device)
     for i, span in enumerate(flat.split(_CHECKSUM_SPAN)):
-        scale = 1.0 + (i + 1) * _GOLDEN % 1.0
-        total += scale * torch.mul(span, weights[: span.numel()]).sum()
+        scale = 1.0 + i * _GOLDEN % 1.0
+        total += scale * torch.mul(span.to(torch.float64), weights[: span.numel()]).sum()
     return total
 
 
 def _checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One fp64 checksum per tensor (:func:`_checksum`), NaN as ``inf``."""
+    """One fp64 checksum per tensor (:func:`_checksum`), NaN as ``inf``.
+
+    Tensors of one dtype, device and size (a model's norms, its routers) are
+    checksummed together, stacked in batches of at most
+    :data:`_CHECKSUM_SPAN` elements: four kernels per batch instead of a
+    few per tensor, which is what a call over many small tensors costs.
+    Native kernels, not BLAS: a BLAS matrix-vector product may round two
+    equal rows differently, by their place in the batch or in memory."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    by_device: dict[torch.device, torch.Tensor] = {}
-    sums = []
-    for t in tensors:
-        w = by_device.get(t.device)
-        if w is None:
-            w = by_device[t.device] = _weights(min(_CHECKSUM_SPAN, max(x.numel() for x in tensors)), t.device)
-        sums.append(_checksum(t, w))
-    return torch.nan_to_num(torch.stack(sums).to(device), nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    weights: dict[torch.device, torch.Tensor] = {}
+    span = min(_CHECKSUM_SPAN, max(t.numel() for t in tensors))
+    out = torch.empty(len(tensors), dtype=torch.float64, device=device)
+    alike: dict[tuple[torch.dtype, torch.device, int], list[int]] = {}
+    for i, t in enumerate(tensors):
+        alike.setdefault((t.dtype, t.device, t.numel()), []).append(i)
+    with torch.no_grad():
+        for (_dtype, where, numel), indices in alike.items():
+            w = weights.get(where)
+            if w is None:
+                w = weights[where] = _weights(span, where)
+            if numel > _CHECKSUM_SPAN or numel == 0:
+                for i in indices:
+                    out[i] = _checksum(tensors[i], w)
+                continue
+            per_batch = _CHECKSUM_SPAN // numel
+            for start in range(0, len(indices), per_batch):
+                batch = indices[start : start + per_batch]
+                stacked = torch.stack([tensors[i].reshape(-1) for i in batch]).to(torch.float64)
+                out[batch] = stacked.mul_(w[:numel]).sum(1).to(device)
+    return torch.nan_to_num(out, nan=math.inf, posinf=math.inf, neginf=-math.inf)
 
 
 # Elements of suspects compared per collective: each travels as two fp64
@@ -314,13 +329,15 @@ def _compare_suspects(
     MAX all-reduce per chunk of suspects."""
     out: list[float | None] = []
     for chunk in _suspect_chunks([t.numel() for t in tensors]):
-        flat = torch.cat([tensors[i].reshape(-1).to(device, torch.float64) for i in chunk])
+        with torch.no_grad():
+            flat = torch.cat([tensors[i].reshape(-1).to(device, torch.float64) for i in chunk])
         high, low = _max_and_min(torch.nan_to_num(flat, nan=math.inf, posinf=math.inf, neginf=-math.inf), g.group)
         spread = torch.where(high == low, torch.zeros_like(high), high - low)  # equal infinities: no spread
         # An infinite spread (a copy is infinite or NaN where another is not)
         # is drift under any tolerance; rtol * inf would make it NaN, never over.
         over = (spread > atol + rtol * torch.maximum(high.abs(), low.abs())) | spread.isinf()
-        for part, bad in zip(spread.split([tensors[i].numel() for i in chunk]), over.split([tensors[i].numel() for i in chunk])):
+        sizes = [tensors[i].numel() for i in chunk]
+        for part, bad in zip(spread.split(sizes), over.split(sizes)):
             out.append(float(part.max()) if bool(bad.any()) else None)
     return out
 
