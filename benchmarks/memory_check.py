@@ -12,7 +12,7 @@ and what the dry run costs.
    (``--batch 1 --seq 4096``, dp=8; target under 60 s) and of ``--fit``
    over every mesh of 64 GPUs (target under 5 minutes).
 
-Run: ``PYTHONPATH=.:tests python benchmarks/memory_check.py [--layers 16] [--seq 2048] [--skip-timing]``
+Run: ``PYTHONPATH=.:tests/support python benchmarks/memory_check.py [--layers 16] [--seq 2048] [--skip-timing]``
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from fsdptx.presets import build_preset
 from fsdptx.testing import fake_mesh
 
 from _timing import seconds  # benchmarks/ is on sys.path when run as a script
-from tracker_recipe import tracker_reference  # tests/ on PYTHONPATH
+from tracker_recipe import tracker_reference  # tests/support on PYTHONPATH
 
 LLAMA_70B = (
     "num_hidden_layers=80,hidden_size=8192,intermediate_size=28672,num_attention_heads=64,"
@@ -42,7 +42,7 @@ LLAMA_70B = (
 
 
 def reference(layers: int, seq: int, shape: Sequence[int], names: Sequence[str], config: fsdptx.FSDP2Config) -> dict[str, int]:
-    """The plain FSDPMemTracker recipe on the llama preset (``tests/tracker_recipe.py``)."""
+    """The plain FSDPMemTracker recipe on the llama preset (``tests/support/tracker_recipe.py``)."""
     return dataclasses.asdict(tracker_reference(layers, seq, shape, names, config))
 
 

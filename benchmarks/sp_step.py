@@ -2,7 +2,7 @@
 
 Run::
 
-    PYTHONPATH=.:tests python benchmarks/sp_step.py [--rounds 3] [--steps 10]
+    PYTHONPATH=.:tests/support python benchmarks/sp_step.py [--rounds 3] [--steps 10]
 
 4 gloo ranks on CPU, a (dp=2, tp=2) mesh, sequence parallelism, fp32. Two
 Llama-shaped models at torchtitan's debug size (dim 256, 4 layers, seq 64,
@@ -14,7 +14,7 @@ batch 2 per data-parallel rank):
   plan, the sequence-parallel layout derived by fsdptx.
 
 Each is trained by ``FSDP2Manager`` and, as the baseline, parallelized by
-hand in torchtitan's pattern (``tests/titan_pattern.py``: ``parallelize_module``
+hand in torchtitan's pattern (``tests/support/titan_pattern.py``: ``parallelize_module``
 with torchtitan's styles, ``fully_shard`` per block and root). Per round and
 method one fresh spawn of 4 processes (so peak RSS is the method's own):
 warm-up steps, then ``--steps`` timed steps (forward, backward, TP-replica
@@ -43,7 +43,7 @@ import fsdptx
 from fsdptx.presets import Decoder, DecoderConfig, Titan, TitanConfig
 from fsdptx.testing import record_collectives, run_distributed
 
-from titan_pattern import explicit_plan, parallelize_by_hand  # tests/ on PYTHONPATH
+from titan_pattern import explicit_plan, parallelize_by_hand  # tests/support on PYTHONPATH
 
 BATCH, SEQ, VOCAB = 2, 64, 2048
 TP_GROUPS = ((0, 1), (2, 3))

@@ -8,7 +8,7 @@ returns a :class:`MemoryPlan`, whose docstring says what is counted.
 FSDP2 issues, per unit with parameters: one all-gather before forward, one
 more before backward if the unit was resharded after forward, and one
 reduce-scatter after backward. Checked against ``fully_shard`` on a fake mesh
-(tests/test_report.py); what decides "resharded after forward":
+(tests/cli/test_report.py); what decides "resharded after forward":
 
 - ``None`` (FSDP2's default) means ``True``, except for the FSDP root: the
   first unit to run forward (the model root, ``""``, which the default

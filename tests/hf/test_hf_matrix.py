@@ -6,7 +6,7 @@ embedding named by its owner. Kimi-Linear, whose ``forget_gate`` holds fp32
 and bf16 parameters directly, is refused with an error that says why.
 
 Models are built tiny on the meta device from their config classes
-(``tests/hf_zoo.py``); nothing is downloaded.
+(``tests/support/hf_zoo.py``); nothing is downloaded.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "fsdptx"
+PACKAGE = Path(__file__).resolve().parents[2] / "fsdptx"
 
 LAYERS = ("core", "hf", "model", "plan", "tp", "apply", "compat", "manager", "testing", "cli", "contract")
 
