@@ -28,6 +28,7 @@ from .compat._imperative import reject_unsupported_mtp_cp, reject_unsupported_mt
 from .core._args import require_module
 from .core._meshes import ParallelDims, moe_dp_dims, parallel_dims, tp_mesh
 from .core._policy import check_policy_dtypes
+from .hf._patches import patch_is_packed_sequence
 from .plan._types import Plan
 from .model._index import ModelIndex, discover_blocks, resolve_blocks
 from .plan._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
@@ -512,41 +513,4 @@ def _fsdp_param_groups(model: nn.Module) -> list[Any]:
                     seen.add(id(g))
                     groups.append(g)
     return groups
-
-
-_PATCHED = "_fsdptx_unpacked"
-
-
-def patch_is_packed_sequence() -> bool:
-    """Make ``transformers``' packed-sequence check return ``False`` at once.
-
-    That check returns a device tensor when the batch size is 1, and Python's
-    ``if`` on it synchronizes the CPU with the GPU, once per attention layer
-    and forward (hundreds of times per step with TP and checkpointing). For
-    ordinary training, where no sequence is packed, ``False`` is the right
-    answer. Do NOT use this for packed-sequence training (several sequences
-    concatenated in one row, ``position_ids`` restarting at 0): their
-    attention would then cross sequence boundaries.
-
-    Idempotent; returns whether the check is patched (False without
-    ``transformers``, or with a version that has no such check: nothing to
-    patch, so nothing is added to it).
-    """
-    try:
-        from transformers import modeling_flash_attention_utils as fa
-    except ImportError:
-        return False
-    current = getattr(fa, "_is_packed_sequence", None)
-    if current is None:
-        return False
-    if getattr(current, _PATCHED, False):
-        return True
-
-    def _not_packed(position_ids: object, batch_size: object) -> bool:
-        del position_ids, batch_size
-        return False
-
-    setattr(_not_packed, _PATCHED, True)
-    fa._is_packed_sequence = _not_packed
-    return True
 
