@@ -129,3 +129,18 @@ def test_a_parameter_cast_between_two_parallelize_calls_is_planned_anew() -> Non
             units.append({u.storage_dtype for u in manager.plan(model).units})
             manager.parallelize(model)
     assert units == [{torch.float32}, {torch.bfloat16}]
+
+
+def test_the_checks_reading_the_one_index_still_refuse_a_model_parallelized_before() -> None:
+    """The already-parallelized check reads the handed-down index: a
+    second ``parallelize`` of a tensor-parallel model is refused, naming
+    the DTensor parameters, and changes nothing."""
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab=64, dim=32, hidden=64, layers=2))
+    with fake_mesh((2,), ("tp",)) as mesh:
+        manager = FSDP2Manager(FSDP2Config(mp_policy=None), mesh)
+        manager.parallelize(model)
+        before = {f: id(p) for f, p in model.named_parameters()}
+        with pytest.raises(ValueError, match="already parallelized: .* are DTensors"):
+            manager.parallelize(model)
+    assert {f: id(p) for f, p in model.named_parameters()} == before
