@@ -71,7 +71,9 @@ class _Resolver:
 
     def __post_init__(self) -> None:
         # Thousands of units share a handful of policies.
-        self.policy_for: Callable[[tuple[torch.dtype | None, bool]], MixedPrecisionPolicy | None] = memoized(functools.partial(unit_policy, self.mp_policy))
+        self.policy_for: Callable[[tuple[torch.dtype | None, bool]], MixedPrecisionPolicy | None] = memoized(
+            functools.partial(unit_policy, self.mp_policy)
+        )
 
     def policy(self, compute: torch.dtype | None, internal: bool) -> MixedPrecisionPolicy | None:
         """The policy for a unit computing in ``compute`` (:func:`unit_policy`)."""
