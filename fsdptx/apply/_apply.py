@@ -149,8 +149,9 @@ def _check_in_full(plan: Plan, model: nn.Module, index: ModelIndex) -> list[list
         problems.extend(settings_problems(i, unit))
         problems.extend(_claim_problems(i, unit, mods, index, sharded))
         sharded.update(id(m) for m in mods)
+    params = index.params  # once: with caches off, each read of the table computes it again
     for pfqn in plan.reductions:
-        if pfqn not in index.params:
+        if pfqn not in params:
             problems.append(f"reduction mark names parameter {pfqn!r}, which the model lacks")
     for mfqn in plan.exclusions:
         if mfqn not in index.modules:

@@ -70,6 +70,9 @@ class _Resolver:
     owner: dict[int, int] = field(default_factory=dict)  # param id -> unit index
 
     def __post_init__(self) -> None:
+        # Read once per resolution: with caches off, every read of the
+        # index's table computes it again, and this runs for every unit.
+        self.facts = self.index.param_facts
         # Thousands of units share a handful of policies.
         self.policy_for: Callable[[tuple[torch.dtype | None, bool]], MixedPrecisionPolicy | None] = memoized(
             functools.partial(unit_policy, self.mp_policy)
@@ -101,7 +104,7 @@ class _Resolver:
             claimed = claim(self.index, modules, self.sharded)
         here = [self.index.fqn_of(m) for m in modules]
         excluded, owner, position, keys, frozen = self.excluded, self.owner, len(self.units), self.keys, self.frozen
-        facts = self.index.param_facts
+        facts = self.facts
         params: list[str] = []
         ignored: set[str] = set()
         unit_keys: set[DtypeKey] = set()
