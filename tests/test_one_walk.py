@@ -79,6 +79,7 @@ def _model() -> nn.Module:
     "shape, names, config",
     [
         pytest.param((4,), ("dp_shard",), FSDP2Config(), id="dp"),
+        pytest.param((2, 2), ("dp_shard", "cp"), FSDP2Config(), id="dp x cp, unused-parameter reduction"),
         pytest.param(
             (2, 2),
             ("dp_shard", "tp"),

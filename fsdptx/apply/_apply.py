@@ -30,7 +30,7 @@ from ..plan._json import described_style_problems
 from ..plan._resolve import claim
 from ..plan._types import Checkpointing, Plan, Unit, marks_under_exclusions, preview
 from ..plan._vouch import MarkTargets, reductions_by_module, settings_problems, vouched_modules
-from ._unused import configure_fsdp_unused_param_reduction
+from ._unused import configure_units_of
 from ..core._policy import primitive_policy
 from ..core._tree import get_module_from_path
 from ..tp._transform import check_tensor_parallel, tied_tp_groups, tp_styles_by_module
@@ -576,7 +576,7 @@ def apply_resolved(
             if chain.backward:
                 unit_module.set_modules_to_backward_prefetch([find(m) for m in chain.backward])  # type: ignore[misc]
     if plan.reduce_unused_params:
-        configure_fsdp_unused_param_reduction(model)
+        configure_units_of(model.modules() if index is None else index.walk.modules)
     if marks is None:
         marks = (
             [(find(f), m) for f, m in reductions_by_module(plan.reductions).items()],
