@@ -25,6 +25,7 @@ with warnings.catch_warnings():
 # Sorted within each section.
 
 # core: pure building blocks
+from .core._caches import caches, clear_caches
 from .core._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
 from .core._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn
 from .core._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
@@ -84,6 +85,8 @@ from .cli._memory import MemoryEstimate, estimate_memory
 __all__ = [
     # core
     "DEFAULT_MAX_BUFFER_BYTES",
+    "caches",
+    "clear_caches",
     "get_internal_fsdp_mp_policy",
     "get_module_from_path",
     "gradient_chunks",

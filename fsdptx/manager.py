@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .apply._apply import apply_plan
+from .apply._apply import apply_indexed
 from .compat._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
 from .core._args import require_module
 from .core._meshes import ParallelDims, moe_dp_dims, parallel_dims, tp_mesh
@@ -32,7 +32,7 @@ from .hf._patches import patch_is_packed_sequence
 from .plan._types import Plan
 from .model._index import ModelIndex, discover_blocks, resolve_blocks
 from .plan._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
-from .plan._transforms import Transform, compose, mark_reduction, plan, shard_across_blocks, shard_by_dtype
+from .plan._transforms import Transform, compose, mark_reduction, plan_indexed, shard_across_blocks, shard_by_dtype
 from .tp import check_tensor_parallel, tensor_parallel
 
 __all__ = ["FSDP2Config", "FSDP2Manager", "gradient_sync_context", "patch_is_packed_sequence"]
@@ -372,18 +372,24 @@ class FSDP2Manager:
         Also checks what needs the mesh (TP divisibility, the MTP guards under
         context parallelism), so a dry run fails where the real run would.
         """
+        require_module(model, "model", "FSDP2Manager.plan")
+        return self._plan(model, ModelIndex.build(model))
+
+    def _plan(self, model: nn.Module, index: ModelIndex) -> Plan:
+        """:meth:`plan`, reading ``index``, the model's index built a moment ago."""
         if self.dims.cp > 1:
             reject_unsupported_mtp_cp(model)
             reject_unsupported_mtp_cp_pp(model, self.dims.pp)
-        result = plan(
+        result = plan_indexed(
             model,
             self.pipeline(model),
+            index,
             mp_policy=self.config.mp_policy,
             offload_policy=self.config.offload_policy,
             reshard_after_forward=self.config.reshard_after_forward,
         )
         if result.tensor_parallel is not None:
-            problems = check_tensor_parallel(result.tensor_parallel, model, self.dims.tp)
+            problems = check_tensor_parallel(result.tensor_parallel, model, self.dims.tp, index=index)
             if problems:
                 raise ValueError("FSDP2Manager: the TP plan does not fit tp=%d:\n  - %s" % (self.dims.tp, "\n  - ".join(problems)))
         return result
@@ -391,11 +397,18 @@ class FSDP2Manager:
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply :meth:`plan` to ``model`` with :func:`fsdptx.apply_plan`
         (everything validated before anything is mutated); returns ``model``.
-        The Plan's warnings (no blocks found, say) are logged."""
-        planned = self.plan(model)
+        The Plan's warnings (no blocks found, say) are logged.
+
+        The model is walked once: planning, the plan's checks and the
+        effects all read that walk's index (nothing changes the model
+        between planning and applying, so the index is current when the
+        checks read it; every check still runs before any mutation)."""
+        require_module(model, "model", "FSDP2Manager.parallelize")
+        index = ModelIndex.build(model)
+        planned = self._plan(model, index)
         for warning in planned.warnings:
             logger.warning("FSDP2Manager: %s", warning)
-        result = apply_plan(planned, model, self.device_mesh, moe_mesh=self.moe_mesh)
+        result = apply_indexed(planned, model, self.device_mesh, index, moe_mesh=self.moe_mesh)
         if self.config.patch_is_packed_sequence:
             patch_is_packed_sequence()
         return result

@@ -6,8 +6,9 @@ never leaves a model half-sharded.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,13 +30,14 @@ from ..plan._json import described_style_problems
 from ..plan._resolve import claim
 from ..plan._types import Checkpointing, Plan, Unit, marks_under_exclusions, preview
 from ..plan._vouch import MarkTargets, reductions_by_module, settings_problems, vouched_modules
-from ._unused import configure_fsdp_unused_param_reduction
+from ._unused import configure_units_of
 from ..core._policy import primitive_policy
 from ..core._tree import get_module_from_path
 from ..tp._transform import check_tensor_parallel, tied_tp_groups, tp_styles_by_module
 
 __all__ = [
     "PlanMismatchError",
+    "apply_indexed",
     "apply_plan",
     "apply_resolved",
     "check_plan",
@@ -96,11 +98,17 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     return _checked(plan, model)[0]
 
 
-def _checked(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]], MarkTargets | None]:
+def _checked(
+    plan: Plan, model: nn.Module, index: ModelIndex | None = None
+) -> tuple[list[list[nn.Module]], MarkTargets | None]:
     """:func:`check_plan`'s modules, and the modules the marks go to when a
-    vouched plan's walk found them (else ``None``: looked up by FQN)."""
-    vouched = vouched_modules(plan, model)
-    return (_check_in_full(plan, model), None) if vouched is None else vouched
+    vouched plan's walk found them (else ``None``: looked up by FQN).
+    ``index``: the model's index as it is now, read instead of walking the
+    model again."""
+    vouched = vouched_modules(plan, model, None if index is None else index.walk)
+    if vouched is not None:
+        return vouched
+    return _check_in_full(plan, model, index if index is not None else ModelIndex.build(model)), None
 
 
 def check_resolved(plan: Plan, resolved: list[list[nn.Module]]) -> list[list[nn.Module]]:
@@ -115,9 +123,8 @@ def check_resolved(plan: Plan, resolved: list[list[nn.Module]]) -> list[list[nn.
     return resolved
 
 
-def _check_in_full(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
-    """Re-derive every unit's claims on ``model`` as it is now."""
-    index = ModelIndex.build(model)
+def _check_in_full(plan: Plan, model: nn.Module, index: ModelIndex) -> list[list[nn.Module]]:
+    """Re-derive every unit's claims on ``model`` as it is now (``index``)."""
     problems: list[str] = []
     resolved: list[list[nn.Module]] = []
     owner: dict[str, int] = {}
@@ -142,8 +149,9 @@ def _check_in_full(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
         problems.extend(settings_problems(i, unit))
         problems.extend(_claim_problems(i, unit, mods, index, sharded))
         sharded.update(id(m) for m in mods)
+    params = index.params  # once: with caches off, each read of the table computes it again
     for pfqn in plan.reductions:
-        if pfqn not in index.params:
+        if pfqn not in params:
             problems.append(f"reduction mark names parameter {pfqn!r}, which the model lacks")
     for mfqn in plan.exclusions:
         if mfqn not in index.modules:
@@ -194,7 +202,9 @@ def _claim_problems(
     return problems
 
 
-def _check_against_mesh(plan: Plan, model: nn.Module, mesh: object, moe_mesh: DeviceMesh | None) -> list[str]:
+def _check_against_mesh(
+    plan: Plan, model: nn.Module, mesh: object, moe_mesh: DeviceMesh | None, index: ModelIndex | None
+) -> list[str]:
     """What only the meshes can tell: the dims are known, a TP plan has a
     ``tp`` dim to run on and fits its size, expert units have a MoE mesh,
     and an int ``reshard_after_forward`` divides the shard dim."""
@@ -219,8 +229,9 @@ def _check_against_mesh(plan: Plan, model: nn.Module, mesh: object, moe_mesh: De
         if dims.tp == 1:
             problems.append("the plan has tensor parallelism but the mesh has no tp dim of size > 1")
         else:
-            problems.extend(check_tensor_parallel(tp, model, dims.tp))
-            already = sorted(f for f, p in model.named_parameters() if isinstance(p, DTensor))
+            problems.extend(check_tensor_parallel(tp, model, dims.tp, index=index))
+            named = index.params.items() if index is not None else model.named_parameters()
+            already = sorted(f for f, p in named if isinstance(p, DTensor))
             if already:
                 problems.append(
                     f"the model is already parallelized: {preview(already)} are DTensors; "
@@ -266,14 +277,14 @@ def _offload_problems(plan: Plan) -> list[str]:
     ]
 
 
-def _check_checkpointing(ac: Checkpointing | None, model: nn.Module) -> list[str]:
+def _check_checkpointing(ac: Checkpointing | None, find: Callable[[str], nn.Module]) -> list[str]:
     if ac is None:
         return []
     problems: list[str] = []
     done: list[str] = []
     for fqn in ac.modules:
         try:
-            module = get_module_from_path(model, fqn)
+            module = find(fqn)
         except AttributeError:
             problems.append(f"checkpointed module {fqn!r} does not exist")
             continue
@@ -284,7 +295,7 @@ def _check_checkpointing(ac: Checkpointing | None, model: nn.Module) -> list[str
     return problems
 
 
-def turn_kv_cache_off(model: nn.Module) -> list[str]:
+def turn_kv_cache_off(model: nn.Module, modules: Iterable[tuple[str, nn.Module]] | None = None) -> list[str]:
     """Set every ``use_cache`` that is on to ``False``; returns where (paths
     such as ``model.config.use_cache``).
 
@@ -293,10 +304,12 @@ def turn_kv_cache_off(model: nn.Module) -> list[str]:
     cannot replay; a training forward never needs the cache. Hugging Face's
     own gradient checkpointing and the reference turn it off the same way.
     Each distinct config object the modules hold is visited (a multimodal
-    model's language model reads its text config, not the top-level one)."""
+    model's language model reads its text config, not the top-level one).
+    ``modules``: the model's ``(FQN, module)`` pairs, when the caller has
+    them from an index (default ``model.named_modules()``)."""
     changed: list[str] = []
     seen: set[int] = set()
-    for fqn, module in model.named_modules():
+    for fqn, module in model.named_modules() if modules is None else modules:
         config = module.__dict__.get("config")
         if config is None or id(config) in seen:
             continue
@@ -307,9 +320,9 @@ def turn_kv_cache_off(model: nn.Module) -> list[str]:
     return changed
 
 
-def _turn_kv_cache_off(model: nn.Module) -> None:
+def _turn_kv_cache_off(model: nn.Module, index: ModelIndex | None) -> None:
     """:func:`turn_kv_cache_off`, with a warning naming each switch."""
-    for path in turn_kv_cache_off(model):
+    for path in turn_kv_cache_off(model, None if index is None else index.modules.items()):
         logger.warning(
             "activation checkpointing: set %s = False (a KV cache filled in a checkpointed forward "
             "cannot be recomputed in backward)",
@@ -347,11 +360,27 @@ def shard_kwargs(unit: Unit, mesh: object) -> dict[str, Any]:
     return kwargs
 
 
-def _live_param(root: nn.Module, fqn: str) -> nn.Parameter:
+def _finder(model: nn.Module, index: ModelIndex | None) -> Callable[[str], nn.Module]:
+    """Module lookup by FQN: from ``index`` (a table, not a climb down the
+    path) when the caller has the model's index, else from ``model``. The
+    effects replace parameters, never modules, so an index built before
+    them still finds every module; an FQN it lacks is climbed for, so the
+    error names the path and segment."""
+    if index is None:
+        return functools.partial(get_module_from_path, model)
+    modules = index.modules
+
+    def find(fqn: str) -> nn.Module:
+        found = modules.get(fqn)
+        return found if found is not None else get_module_from_path(model, fqn)
+
+    return find
+
+
+def _live_param(find: Callable[[str], nn.Module], fqn: str) -> nn.Parameter:
     """Look a parameter up now: sharding an earlier unit may have replaced it."""
     module_fqn, _, name = fqn.rpartition(".")
-    module = get_module_from_path(root, module_fqn)
-    p = module._parameters[name]
+    p = find(module_fqn)._parameters[name]
     assert p is not None
     return p
 
@@ -397,14 +426,14 @@ def _selective_context() -> tuple[Any, Any]:
     return caching, _RecomputeMode(_selective_policy, cached.storage)
 
 
-def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+def _retie(find: Callable[[str], nn.Module], groups: list[list[tuple[str, str]]]) -> None:
     """Share one parameter again in each tied group after TP replaced each
     module's copy (equal values: both came from the same tensor)."""
     for group in groups:
         (first_module, first_name), *rest = group
-        shared = model.get_submodule(first_module)._parameters[first_name]
+        shared = find(first_module)._parameters[first_name]
         for fqn, name in rest:
-            model.get_submodule(fqn).register_parameter(name, shared)
+            find(fqn).register_parameter(name, shared)
 
 
 def _fsdp_meshes(plan: Plan, mesh: object, moe_mesh: DeviceMesh | None) -> tuple[object, object]:
@@ -443,19 +472,48 @@ def apply_plan(
     an argument with torch's default, so tests can record calls and other
     frameworks substitute their own.
     """
+    return apply_indexed(
+        plan,
+        model,
+        mesh,
+        None,
+        moe_mesh=moe_mesh,
+        shard_module=shard_module,
+        parallelize_module=parallelize_module,
+        checkpoint_module=checkpoint_module,
+    )
+
+
+def apply_indexed(
+    plan: Plan,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    index: ModelIndex | None,
+    *,
+    moe_mesh: DeviceMesh | None = None,
+    shard_module: ShardModule = fully_shard,
+    parallelize_module: ParallelizeModule = torch_parallelize_module,
+    checkpoint_module: CheckpointModule = composable_checkpoint,
+) -> nn.Module:
+    """:func:`apply_plan` reading ``index``, the model's index as it is now
+    (``None``: walk the model). ``FSDP2Manager.parallelize`` hands on the
+    index its planning built a moment ago, so every check and effect reads
+    that one walk: the vouched plan's signature is compared with it, or the
+    full check re-derives every unit's claims from it."""
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
     require_module(model, "model", "apply_plan")
     require_mesh(mesh, shard_module, "apply_plan")
     if moe_mesh is not None and not isinstance(moe_mesh, DeviceMesh):
         raise TypeError(f"apply_plan: moe_mesh must be a torch DeviceMesh or None, got {type(moe_mesh).__name__}")
-    resolved, marks = _checked(plan, model)
+    resolved, marks = _checked(plan, model, index)
     return apply_resolved(
         plan,
         model,
         mesh,
         resolved,
         marks=marks,
+        index=index,
         moe_mesh=moe_mesh,
         shard_module=shard_module,
         parallelize_module=parallelize_module,
@@ -470,6 +528,7 @@ def apply_resolved(
     resolved: list[list[nn.Module]],
     *,
     marks: MarkTargets | None = None,
+    index: ModelIndex | None = None,
     moe_mesh: DeviceMesh | None = None,
     shard_module: ShardModule = fully_shard,
     parallelize_module: ParallelizeModule = torch_parallelize_module,
@@ -480,10 +539,12 @@ def apply_resolved(
     prefetch checks, then the effects. The imperative API comes here
     directly, its units resolved from the index it has just built.
     ``marks`` holds the modules the marks go to when they are known
-    already; else they are looked up by FQN."""
+    already; else they are looked up by FQN, in ``index`` when given (the
+    model's index as it is now; see :func:`_finder`)."""
+    find = _finder(model, index)
     _fail(described_style_problems(plan))  # before the TP checks, which read the styles
-    problems = _check_against_mesh(plan, model, mesh, moe_mesh)
-    problems += _check_checkpointing(plan.checkpointing, model)
+    problems = _check_against_mesh(plan, model, mesh, moe_mesh, index)
+    problems += _check_checkpointing(plan.checkpointing, find)
     problems += _check_prefetch(plan)
     _fail(problems)
     dense, moe = _fsdp_meshes(plan, mesh, moe_mesh)
@@ -491,34 +552,35 @@ def apply_resolved(
     tp = plan.tensor_parallel
     tp_group = tp_mesh(mesh) if isinstance(mesh, DeviceMesh) else None
     if tp is not None and tp.assignments:
-        tied, _problems = tied_tp_groups(tp, model)  # the problems were refused above
-        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        tied, _problems = tied_tp_groups(tp, model, index=index)  # the problems were refused above
+        named = index.params.items() if index is not None else model.named_parameters()
+        frozen = [name for name, p in named if not p.requires_grad]
         parallelize_module(model, tp_group, tp_styles_by_module(tp))
-        _retie(model, tied)
-        _refreeze(model, frozen)
+        _retie(find, tied)
+        _refreeze(find, frozen)
     if plan.checkpointing is not None:
-        _turn_kv_cache_off(model)
+        _turn_kv_cache_off(model, index)
         extra = {"context_fn": _selective_context} if plan.checkpointing.mode == "selective" else {}
         for fqn in plan.checkpointing.modules:
-            checkpoint_module(get_module_from_path(model, fqn), **extra)
+            checkpoint_module(find(fqn), **extra)
     for unit, mods in zip(plan.units, resolved):
         kwargs = shard_kwargs(unit, moe if unit.mesh == "moe" else dense)
         if unit.ignored_params:
-            kwargs["ignored_params"] = {_live_param(model, f) for f in unit.ignored_params}
+            kwargs["ignored_params"] = {_live_param(find, f) for f in unit.ignored_params}
         shard_module(mods[0] if len(mods) == 1 else mods, **kwargs)
     for chain in plan.prefetch:
-        unit_module = get_module_from_path(model, chain.unit)
+        unit_module = find(chain.unit)
         if isinstance(unit_module, FSDPModule):
             if chain.forward:
-                unit_module.set_modules_to_forward_prefetch([get_module_from_path(model, m) for m in chain.forward])  # type: ignore[misc]
+                unit_module.set_modules_to_forward_prefetch([find(m) for m in chain.forward])  # type: ignore[misc]
             if chain.backward:
-                unit_module.set_modules_to_backward_prefetch([get_module_from_path(model, m) for m in chain.backward])  # type: ignore[misc]
+                unit_module.set_modules_to_backward_prefetch([find(m) for m in chain.backward])  # type: ignore[misc]
     if plan.reduce_unused_params:
-        configure_fsdp_unused_param_reduction(model)
+        configure_units_of(model.modules() if index is None else index.walk.modules)
     if marks is None:
         marks = (
-            [(get_module_from_path(model, f), m) for f, m in reductions_by_module(plan.reductions).items()],
-            [get_module_from_path(model, f) for f in plan.exclusions],
+            [(find(f), m) for f, m in reductions_by_module(plan.reductions).items()],
+            [find(f) for f in plan.exclusions],
         )
     reduced, excluded = marks
     for module, reductions in reduced:
@@ -530,12 +592,15 @@ def apply_resolved(
     return model
 
 
-def _refreeze(model: nn.Module, frozen: list[str]) -> None:
+def _refreeze(find: Callable[[str], nn.Module], frozen: list[str]) -> None:
     """Freeze again what was frozen before tensor parallelism: torch's
     ``SequenceParallel`` re-registers a norm's parameters as new, trainable
     ones, and a frozen norm would otherwise train."""
-    for name in frozen:
-        model.get_parameter(name).requires_grad_(False)
+    for fqn in frozen:
+        module_fqn, _, name = fqn.rpartition(".")
+        p = find(module_fqn)._parameters[name]
+        assert p is not None
+        p.requires_grad_(False)
 
 
 def _check_sequence_length(model: nn.Module, tp_size: int) -> None:

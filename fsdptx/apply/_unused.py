@@ -5,6 +5,7 @@ the seed-compatible API re-exports it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ..core._args import require_module
 
-__all__ = ["configure_fsdp_unused_param_reduction"]
+__all__ = ["configure_fsdp_unused_param_reduction", "configure_units_of"]
 
 
 def configure_fsdp_unused_param_reduction(module: nn.Module) -> int:
@@ -35,8 +36,14 @@ def configure_fsdp_unused_param_reduction(module: nn.Module) -> int:
     dtype first. Calling this twice wraps nothing twice.
     """
     require_module(module, "module", "configure_fsdp_unused_param_reduction")
+    return configure_units_of(module.modules())
+
+
+def configure_units_of(modules: Iterable[nn.Module]) -> int:
+    """:func:`configure_fsdp_unused_param_reduction` over ``modules``, every
+    module of a model once (``apply_plan`` hands those its index found)."""
     seen: set[int] = set()
-    for m in module.modules():
+    for m in modules:
         if not isinstance(m, FSDPModule):
             continue
         state = fully_shard.state(m)  # type: ignore[attr-defined]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import threading
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from torch.distributed.fsdp import (
 )
 
 from ..core._args import require_module
+from ..core._caches import BoundedMemo, caches_enabled, process_wide
 from ..apply._apply import ShardModule, apply_resolved, check_resolved, require_mesh as _require_mesh
 from ..apply._unused import configure_fsdp_unused_param_reduction
 from ..model._index import ModelIndex
@@ -76,13 +75,14 @@ def fully_shard_by_dtype(
 
     A call on a module shaped like one an earlier call planned (the next
     block of a model) takes that call's units from a memo instead of
-    planning again (:class:`_CallMemo`).
+    planning again (:class:`_CallMemo`), unless caches are off
+    (:func:`fsdptx.caches`).
     """
     require_module(module, "module", "fully_shard_by_dtype")
     _require_mesh(mesh, shard_module, "fully_shard_by_dtype")
     tokens = _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
     request = _Call(mp_policy, offload_policy, tokens, reshard_after_forward)
-    units, resolved = _plan_call(module, request, ignored_params, _CALLS)
+    units, resolved = _plan_call(module, request, ignored_params, _CALLS if caches_enabled() else None)
     _apply_now(Plan(units=units), module, resolved, mesh, shard_module)
 
 
@@ -140,7 +140,7 @@ class _Planned:
     positions: tuple[tuple[int, ...], ...]
 
 
-class _CallMemo:
+class _CallMemo(BoundedMemo[tuple[object, ...], _Planned]):
     """The units of earlier ``fully_shard_by_dtype`` calls by the shape of
     their module, the most recently used ``limit`` kept.
 
@@ -153,35 +153,14 @@ class _CallMemo:
     ``requires_grad``, rank, size, compute-dtype hint and whether it is
     ignored), and a call's FQNs are relative to its module, so equal keys
     give equal units. It holds classes, policies and names, never a module
-    or a parameter.
+    or a parameter, so it keeps no model alive. Models may be parallelized
+    from several threads of one process: :class:`BoundedMemo` is
+    thread-safe.
     """
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._entries: OrderedDict[tuple[object, ...], _Planned] = OrderedDict()
-        # Models may be parallelized from several threads of one process:
-        # a lookup's reordering must not meet another call's eviction.
-        self._lock = threading.Lock()
 
-    def get(self, key: tuple[object, ...]) -> _Planned | None:
-        with self._lock:
-            found = self._entries.get(key)
-            if found is not None:
-                self._entries.move_to_end(key)
-            return found
-
-    def put(self, key: tuple[object, ...], planned: _Planned) -> None:
-        with self._lock:
-            self._entries[key] = planned
-            self._entries.move_to_end(key)
-            if len(self._entries) > self.limit:
-                self._entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-_CALLS = _CallMemo(limit=64)
+# The one process-wide memo of calls: bounded, emptied by fsdptx.clear_caches().
+_CALLS = process_wide(_CallMemo(limit=64))
 _NUMEL = operator.methodcaller("numel")
 
 

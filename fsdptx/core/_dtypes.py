@@ -8,7 +8,6 @@ pair keeps both constraints satisfiable at once.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable, Collection, Hashable, Iterable
 
@@ -17,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ._args import require_dtype, require_module, require_names
+from ._caches import process_memo
 
 __all__ = [
     "LOW_PRECISION_FLOATS",
@@ -108,12 +108,13 @@ def is_pinned(names: Iterable[str], fp32_compute_module_names: Collection[str]) 
     return search is not None and any(map(search, names))
 
 
-@functools.lru_cache(maxsize=64)
+@process_memo(limit=64)
 def token_search(tokens: tuple[str, ...]) -> Callable[[str], re.Match[str] | None] | None:
     """A search for any of ``tokens`` in a name (``None`` for no tokens):
     one C-level scan per name instead of one ``in`` test per token, for the
-    planner asks this of every parameter. Memoized: a pipeline reuses the
-    same few token sets."""
+    planner asks this of every parameter. Memoized process-wide (at most 64
+    token sets, :func:`fsdptx.clear_caches`): a pipeline reuses the same
+    few."""
     return re.compile("|".join(map(re.escape, tokens))).search if tokens else None
 
 

@@ -5,7 +5,6 @@ Planning, TP and applying all read one :class:`ModelIndex` per call."""
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..core._caches import memo_property
 from ..core._globs import WRAPPER_SEGMENTS, innermost, match_logical, unwrap
 from ..core._tree import get_module_from_path, join_fqn
 from ._unit_checks import is_container
@@ -155,7 +155,7 @@ class ModelIndex:
             self.param_fqn[pid] = preferred
             self.aliases[pid] = [n for n in names if n != preferred]
 
-    @functools.cached_property
+    @memo_property
     def param_facts(self) -> dict[int, tuple[torch.dtype, int, int, object, bool]]:
         """Per parameter id: (storage dtype, numel, bytes, ``_hf_compute_dtype``
         hint, requires_grad), read once for all of planning; dtype and
@@ -172,7 +172,7 @@ class ModelIndex:
         """The FQN of a module of the model (``KeyError`` for any other)."""
         return self.module_fqns[self.walk.position[id(module)]]
 
-    @functools.cached_property
+    @memo_property
     def fqn_of_module(self) -> dict[int, str]:
         """Module id -> FQN, for lookups that may miss (built on first use)."""
         return {id(m): f for m, f in zip(self.walk.modules, self.module_fqns)}
@@ -195,7 +195,7 @@ class ModelIndex:
         """Whether some parameter has two names."""
         return bool(self.aliases)
 
-    @functools.cached_property
+    @memo_property
     def params(self) -> dict[str, nn.Parameter]:
         """Canonical FQN -> parameter (built on first use), from the slot lists
         rather than ``param_fqn``: sequential reads, no hashing of ids."""
@@ -215,7 +215,7 @@ class ModelIndex:
         """Every FQN of ``p``, canonical first."""
         return [self.param_fqn[id(p)], *self.aliases.get(id(p), ())]
 
-    @functools.cached_property
+    @memo_property
     def by_logical(self) -> dict[str, str]:
         """Logical FQN (wrapper segments removed) -> the innermost module's
         real FQN, in walk order (see :mod:`fsdptx.core._globs`)."""
@@ -226,7 +226,7 @@ class ModelIndex:
         wrappers seen through; the root never matches."""
         return match_logical(pattern, self.by_logical)
 
-    @functools.cached_property
+    @memo_property
     def blocks(self) -> tuple[str, ...]:
         """The blocks :func:`discover_blocks` finds, computed once per index."""
         return discover_blocks(self.root, self)

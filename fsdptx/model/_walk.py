@@ -27,7 +27,6 @@ handed to the primitive are the ones this walk found.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..core._caches import memo_property
 from ._unit_checks import container_classes
 
 __all__ = [
@@ -80,34 +80,34 @@ class ModelWalk:
         """Whether some module is registered under two parents."""
         return bool(self.repeats)
 
-    @functools.cached_property
+    @memo_property
     def types(self) -> list[type]:
         """Each module's class (``fully_shard`` swaps it in place)."""
         return list(map(type, self.modules))
 
-    @functools.cached_property
+    @memo_property
     def facts(self) -> list[ParamFacts]:
         """Per slot, what the walk read from its parameter, all at once."""
         return list(map(_FACTS, self.params))
 
-    @functools.cached_property
+    @memo_property
     def param_ids(self) -> list[int]:
         """Per slot, its parameter's id."""
         return list(map(id, self.params))
 
-    @functools.cached_property
+    @memo_property
     def tied(self) -> bool:
         """Whether some parameter fills two slots."""
         return len(set(self.param_ids)) != len(self.params)
 
-    @functools.cached_property
+    @memo_property
     def tie_declarations(self) -> list[tuple[int, str, object]]:
         """In a tied model, what each module declares about ties (see
         :func:`_tie_declarations`); empty for a model without ties, whose
         names nothing declared decides."""
         return _tie_declarations(self.modules) if self.tied else []
 
-    @functools.cached_property
+    @memo_property
     def signature(self) -> Signature:
         """This walk's :class:`Signature`."""
         return Signature(

@@ -8,13 +8,15 @@ is visited a bounded number of times, so planning is linear in model size.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+import functools
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from ..core._caches import caches_enabled, memoized
 from ..core._dtypes import LOW_PRECISION_FLOATS, resolve_compute_dtype, token_search
 from ._types import CrossBlockRequest, DtypeRequest, Unit, UnitKind, preview
 from ..core._policy import get_internal_fsdp_mp_policy, keep_storage_policy, mp_policy_with_param_dtype
@@ -66,7 +68,19 @@ class _Resolver:
     ignored_under: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> ignored params below
     units: list[Unit] = field(default_factory=list)
     owner: dict[int, int] = field(default_factory=dict)  # param id -> unit index
-    policies: dict[tuple[torch.dtype | None, bool], MixedPrecisionPolicy | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Read once per resolution: with caches off, every read of the
+        # index's table computes it again, and this runs for every unit.
+        self.facts = self.index.param_facts
+        # Thousands of units share a handful of policies.
+        self.policy_for: Callable[[tuple[torch.dtype | None, bool]], MixedPrecisionPolicy | None] = memoized(
+            functools.partial(unit_policy, self.mp_policy)
+        )
+
+    def policy(self, compute: torch.dtype | None, internal: bool) -> MixedPrecisionPolicy | None:
+        """The policy for a unit computing in ``compute`` (:func:`unit_policy`)."""
+        return self.policy_for((compute, internal))
 
     def add(
         self,
@@ -90,7 +104,7 @@ class _Resolver:
             claimed = claim(self.index, modules, self.sharded)
         here = [self.index.fqn_of(m) for m in modules]
         excluded, owner, position, keys, frozen = self.excluded, self.owner, len(self.units), self.keys, self.frozen
-        facts = self.index.param_facts
+        facts = self.facts
         params: list[str] = []
         ignored: set[str] = set()
         unit_keys: set[DtypeKey] = set()
@@ -151,25 +165,6 @@ class _Resolver:
         self.sharded.update(id(m) for m in modules)
         return unit
 
-    def policy(self, compute: torch.dtype | None, internal: bool) -> MixedPrecisionPolicy | None:
-        """The policy for a unit computing in ``compute`` (``None``: the
-        caller's policy as is; a non-floating dtype: no cast at all); internal
-        units drop ``output_dtype``. Cached:
-        thousands of units share a handful of policies."""
-        key = (compute, internal)
-        if key not in self.policies:
-            if compute is not None and not compute.is_floating_point:
-                # Integer, bool or complex parameters: nothing to cast, and a
-                # bf16 (or fp32) cast would truncate them or drop the
-                # imaginary part; they compute and reduce as they are stored.
-                policy = keep_storage_policy(self.mp_policy)
-            elif compute is None:
-                policy = self.mp_policy
-            else:
-                policy = mp_policy_with_param_dtype(self.mp_policy, compute)
-            self.policies[key] = get_internal_fsdp_mp_policy(policy) if internal else policy
-        return self.policies[key]
-
     def ignore(self, fqns: Sequence[str]) -> None:
         """Exclude the named parameters from every unit and remember, for each
         module above one, which it may have to forward as ``ignored_params``."""
@@ -188,6 +183,25 @@ class _Resolver:
                     if not module:
                         break
                     module = module.rpartition(".")[0]
+
+
+def unit_policy(
+    mp_policy: MixedPrecisionPolicy | None, setting: tuple[torch.dtype | None, bool]
+) -> MixedPrecisionPolicy | None:
+    """The policy for a unit computing in ``compute`` under ``mp_policy``
+    (``None``: ``mp_policy`` as is; a non-floating dtype: no cast at all);
+    ``internal`` units drop ``output_dtype``."""
+    compute, internal = setting
+    if compute is not None and not compute.is_floating_point:
+        # Integer, bool or complex parameters: nothing to cast, and a
+        # bf16 (or fp32) cast would truncate them or drop the
+        # imaginary part; they compute and reduce as they are stored.
+        policy = keep_storage_policy(mp_policy)
+    elif compute is None:
+        policy = mp_policy
+    else:
+        policy = mp_policy_with_param_dtype(mp_policy, compute)
+    return get_internal_fsdp_mp_policy(policy) if internal else policy
 
 
 def low_precision_bulk(index: ModelIndex) -> torch.dtype | None:
@@ -231,11 +245,11 @@ def param_keys(
     storage (computing as stored).
     """
     search = token_search(tuple(fp32_tokens))
-    cache: dict[tuple[torch.dtype, bool, object], DtypeKey | None] = {}
+    low_bulk = low_precision_bulk(index) is not None
+    key_of = memoized(functools.partial(_dtype_key, mp_policy=mp_policy, low_bulk=low_bulk))
     keys: dict[int, DtypeKey] = {}
     frozen: set[int] = set()
     intrinsic: set[int] = set()
-    low_bulk = low_precision_bulk(index) is not None
     by_bulk: DtypeKey | None = None  # the key the bulk rule gives fp32 storage, if it decides one
     if low_bulk and mp_policy is not None:
         master = resolve_compute_dtype(torch.float32, False, None, mp_policy)
@@ -246,19 +260,7 @@ def param_keys(
         pinned = search is not None and (
             search(param_fqn[pid]) is not None or (pid in aliases and any(map(search, aliases[pid])))
         )
-        fact = (dtype, pinned, hint)
-        try:
-            key = cache[fact]
-        except KeyError:  # a handful of distinct facts in a whole model
-            # Complex parameters are trainable, so FSDP2 asks a unit to hold
-            # them alone like any storage dtype; their compute dtype is their
-            # storage (resolve_compute_dtype keeps every non-floating dtype).
-            keyed = dtype.is_floating_point or dtype.is_complex
-            key = cache[fact] = (
-                (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy, low_precision_bulk=low_bulk))
-                if keyed
-                else None
-            )
+        key = key_of((dtype, pinned, hint))  # a handful of distinct facts in a whole model
         if key is None:
             continue
         keys[pid] = key
@@ -267,6 +269,20 @@ def param_keys(
         if not grad:
             frozen.add(pid)
     return keys, frozen, intrinsic
+
+
+def _dtype_key(
+    fact: tuple[torch.dtype, bool, object], *, mp_policy: MixedPrecisionPolicy | None, low_bulk: bool
+) -> DtypeKey | None:
+    """The (storage, compute) key of a parameter with these facts (storage
+    dtype, pinned by a token, compute-dtype hint), or ``None`` for an
+    integer or bool one. Complex parameters are trainable, so FSDP2 asks a
+    unit to hold them alone like any storage dtype; their compute dtype is
+    their storage (resolve_compute_dtype keeps every non-floating dtype)."""
+    dtype, pinned, hint = fact
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return None
+    return (dtype, resolve_compute_dtype(dtype, pinned, hint, mp_policy, low_precision_bulk=low_bulk))
 
 
 def _shardable(fqn: str, module: nn.Module, stop: Collection[int] = ()) -> Iterator[tuple[str, nn.Module]]:
@@ -903,15 +919,15 @@ def resolve_units(
     cross_blocks: Sequence[CrossBlockRequest],
     dtype_request: DtypeRequest | None,
     index: ModelIndex | None = None,
-    replay_blocks: bool = True,
+    replay_blocks: bool | None = None,
 ) -> tuple[Unit, ...]:
     """All units, in application order: cross-block units first (their
     holders are excluded from dtype grouping whatever the transform order;
     a holder's children of other dtypes just before it), then each dtype
     target's children before the target itself. Ignored parameters are
     excluded before anything is planned, so no unit owns them.
-    ``replay_blocks=False`` plans every block in full (the replay's own
-    tests compare against it)."""
+    ``replay_blocks=False`` plans every block in full; ``None`` replays
+    while caches are on (:func:`fsdptx.caches`)."""
     idx = index or ModelIndex.build(model)
     tokens = dtype_request.fp32_compute_module_names if dtype_request is not None else ()
     keys, frozen, intrinsic = param_keys(idx, mp_policy, tokens)
@@ -925,5 +941,5 @@ def resolve_units(
     for req in cross_blocks:
         plan_cross_block_units(r, req.blocks, req.names, reshard)
     if dtype_request is not None:
-        plan_dtype_units(r, dtype_request, replay_blocks=replay_blocks)
+        plan_dtype_units(r, dtype_request, replay_blocks=caches_enabled() if replay_blocks is None else replay_blocks)
     return tuple(r.units)

@@ -123,6 +123,29 @@ def plan(
     read, so this is safe on a meta-device skeleton or a live model alike.
     """
     require_module(model, "model", "plan")
+    return plan_indexed(
+        model,
+        transform,
+        ModelIndex.build(model),
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        reshard_after_forward=reshard_after_forward,
+    )
+
+
+def plan_indexed(
+    model: nn.Module,
+    transform: Transform,
+    index: ModelIndex,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+) -> Plan:
+    """:func:`plan` reading ``index``, the model's index built a moment ago
+    (the manager hands the same index on to ``apply_plan``'s checks, so
+    ``parallelize`` walks its model once)."""
+    require_module(model, "model", "plan")
     if not callable(transform):
         raise TypeError(f"plan: transform must be callable (model, Plan) -> Plan, got {type(transform).__name__}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -134,7 +157,7 @@ def plan(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         reshard_after_forward=reshard_after_forward,
-        scratch=ModelIndex.build(model),
+        scratch=index,
     )
     planned = _checked(transform, model, start)
     problem = marks_under_exclusions(planned.reductions, planned.exclusions, planned.expert_modules)

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from ..core._caches import caches_enabled
 from ..model._unit_checks import module_problems
-from ..model._walk import _DTYPE_GRAD, _NDIM, Signature, walk_model
+from ..model._walk import _DTYPE_GRAD, _NDIM, ModelWalk, Signature, walk_model
 from ._types import Reduction
 
 if TYPE_CHECKING:
@@ -84,14 +85,15 @@ MarkTargets = tuple[list[tuple[nn.Module, Mapping[str, Reduction]]], list[nn.Mod
 
 def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
     """Vouch for ``units``, just resolved from ``index``; ``None`` (no
-    vouching: the full check runs and names the problems) when the index
+    vouching: the full check runs and names the problems) while caches are
+    off (:func:`fsdptx.caches`), when the index
     did not see the whole model, some parameter is a scalar or a trainable
     non-floating (complex) one (the planner does not group those by dtype),
     or the primitive would refuse some unit's settings or modules. Those
     depend only on the units and the modules' classes, which the signature
     holds fixed, so applying a vouched plan re-checks none of them."""
     walk = index.walk
-    if not walk.complete or 0 in map(_NDIM, walk.facts):
+    if not caches_enabled() or not walk.complete or 0 in map(_NDIM, walk.facts):
         return None
     if any(grad and not dtype.is_floating_point for dtype, grad in set(map(_DTYPE_GRAD, walk.facts))):
         return None  # a trainable complex parameter: the planner leaves it keyless
@@ -122,19 +124,26 @@ def vouch_marks(index: ModelIndex, plan: Plan) -> object:
     )
 
 
-def vouched_modules(plan: Plan, model: nn.Module) -> tuple[list[list[nn.Module]], MarkTargets] | None:
+def vouched_modules(
+    plan: Plan, model: nn.Module, walk: ModelWalk | None = None
+) -> tuple[list[list[nn.Module]], MarkTargets] | None:
     """Each unit's modules, and the modules the marks go to, when the plan
     is vouched for and ``model`` walks to the same signature; ``None`` when
-    anything calls for the full check."""
+    anything calls for the full check (always, while caches are off).
+    ``walk``: the model's walk as it is now, when the caller has one."""
     vouched = plan.verified
-    if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
+    if not caches_enabled() or not isinstance(vouched, Vouched) or vouched.units is not plan.units:
         return None
     if plan.reductions and vouched.reductions is not plan.reductions:
         return None
     if plan.exclusions and vouched.exclusions is not plan.exclusions:
         return None
-    walk = walk_model(model)
-    if not vouched.signature.matches(walk):
+    if walk is None:
+        walk = walk_model(model)
+        same = vouched.signature.matches(walk)
+    else:  # the caller's walk: perhaps the very one planning vouched from
+        same = walk.signature is vouched.signature or vouched.signature.matches(walk)
+    if not same:
         return None
     found = walk.modules
     units = [[found[i] for i in at] for at in vouched.positions]

@@ -167,13 +167,16 @@ def _mark_sum(index: ModelIndex, fqn: str, out: dict[str, Reduction], pattern: s
 _HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
 
 
-def check_tensor_parallel(tp: TensorParallel, model: nn.Module, tp_size: int) -> list[str]:
+def check_tensor_parallel(
+    tp: TensorParallel, model: nn.Module, tp_size: int, *, index: ModelIndex | None = None
+) -> list[str]:
     """Problems that make the TP plan unappliable at ``tp_size``: a torch
     colwise/rowwise style on a module it cannot shard, a sharded dim or a
     declared head count not divisible by the TP size, a module that no
-    longer exists. Pure; empty when it fits."""
+    longer exists. Pure; empty when it fits. ``index``: the model's index
+    as it is now, read instead of walking the model again."""
     problems: list[str] = []
-    modules = dict(model.named_modules())
+    modules = index.modules if index is not None else dict(model.named_modules())
     for a in tp.assignments:
         module = modules.get(a.module)
         if module is None:
@@ -191,7 +194,7 @@ def check_tensor_parallel(tp: TensorParallel, model: nn.Module, tp_size: int) ->
         dim, what = _sharded_dim(module, isinstance(style, ColwiseParallel))
         if dim % tp_size:
             problems.append(f"{a.module!r}: {what}={dim} is not divisible by tp={tp_size} ({a.style})")
-    problems.extend(tied_tp_groups(tp, model)[1])
+    problems.extend(tied_tp_groups(tp, model, index=index)[1])
     # Head counts matter where attention is sharded, which a plan sharding
     # no Linear but the output head (GPT-OSS's: embedding and head) does not
     # do; any other sharded Linear is taken to be in a block, heads and all.
@@ -223,7 +226,9 @@ def _weight_layout(module: nn.Module, a: TPAssignment | None) -> str:
     return "Shard(0)" if colwise else "Shard(1)"
 
 
-def tied_tp_groups(tp: TensorParallel, model: nn.Module) -> tuple[list[list[tuple[str, str]]], list[str]]:
+def tied_tp_groups(
+    tp: TensorParallel, model: nn.Module, *, index: ModelIndex | None = None
+) -> tuple[list[list[tuple[str, str]]], list[str]]:
     """Tied weights whose modules get TP styles: groups of (module FQN,
     parameter name) sharing one parameter, and the problems of those whose
     styles would shard it differently (they cannot stay tied).
@@ -231,13 +236,21 @@ def tied_tp_groups(tp: TensorParallel, model: nn.Module) -> tuple[list[list[tupl
     ``parallelize_module`` replaces each module's parameters with new
     DTensors, which unties a weight shared by two modules (Hugging Face's
     tied embedding and LM head); ``apply_plan`` ties them again afterwards
-    when both halves are sharded the same way."""
+    when both halves are sharded the same way. ``index``: the model's index
+    as it is now, whose parameter slots are read instead of walking the
+    model again (unless some module is shared: its every path counts)."""
     by_module = {a.module: a for a in tp.assignments}
     owners: dict[int, list[tuple[str, str, nn.Module]]] = {}
-    for fqn, module in model.named_modules(remove_duplicate=False):
-        for name, p in module._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((fqn, name, module))
+    if index is not None and not index.shared_modules:
+        walk, fqns = index.walk, index.module_fqns
+        if index.tied:
+            for owner, name, p in zip(walk.owners, walk.slot_names, walk.params):
+                owners.setdefault(id(p), []).append((fqns[owner], name, walk.modules[owner]))
+    else:
+        for fqn, module in model.named_modules(remove_duplicate=False):
+            for name, p in module._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), []).append((fqn, name, module))
     groups: list[list[tuple[str, str]]] = []
     problems: list[str] = []
     for found in owners.values():

@@ -228,7 +228,7 @@ class Parallelized:
     mesh: DeviceMesh
     manager: FSDP2Manager
     model: nn.Module
-    applied: Plan  # what apply_plan received from parallelize
+    applied: Plan  # what parallelize applied (apply_plan's checks and effects, reading its one index)
     expected: Plan  # manager.plan of a fresh, identical model
     fresh: nn.Module
 
@@ -237,13 +237,13 @@ class Parallelized:
 def parallelized(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Parallelized]:
     case = CASES[request.param]
     applied: list[Plan] = []
-    real = fsdptx.manager.apply_plan
+    real = fsdptx.manager.apply_indexed
 
     def recording_apply_plan(plan: Plan, *args: Any, **kwargs: Any) -> nn.Module:
         applied.append(plan)
         return real(plan, *args, **kwargs)
 
-    monkeypatch.setattr(fsdptx.manager, "apply_plan", recording_apply_plan)
+    monkeypatch.setattr(fsdptx.manager, "apply_indexed", recording_apply_plan)
     with fake_mesh(case.shape, case.names) as mesh:
         manager = FSDP2Manager(FSDP2Config(**case.config), mesh)
         fresh = _decoder()

@@ -28,7 +28,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
-from fsdptx.apply._apply import _check_in_full
 from fsdptx.compat._imperative import _Call, _CallMemo, _plan_call
 from fsdptx.plan._types import DtypeRequest
 from fsdptx.plan._resolve import resolve_units
@@ -383,7 +382,8 @@ def test_planning_vouches_only_for_what_the_full_check_accepts(
     vouched = vouched_modules(p, model)
     assert vouched is not None
     units, (reduced, excluded) = vouched
-    full = _check_in_full(p, model)
+    with fsdptx.caches(enabled=False):
+        full = fsdptx.check_plan(p, model)  # the full check: nothing is vouched for with caches off
     assert [[id(m) for m in ms] for ms in units] == [[id(m) for m in ms] for ms in full]
     by_module = reductions_by_module(p.reductions)
     assert [(id(m), dict(r)) for m, r in reduced] == [(id(model.get_submodule(f)), r) for f, r in by_module.items()]
@@ -468,3 +468,150 @@ def test_imperative_calls_taken_from_the_memo_get_what_planning_gives(
             return units, [[id(m) for m in ms] for ms in modules]
 
         assert units_and_modules(_CALL_MEMO) == units_and_modules(None)
+
+
+# --------------------------------------------------------------------------- caches on and off
+#
+# Every cache is a layer over a plain function, switched by fsdptx.caches():
+# block replay, vouching, the dtype-key and policy memos of one planning, the
+# index's derived tables, the fp32 token searches and the imperative API's
+# memo of calls. With caches off each result comes from the plain function;
+# these properties hold the two to the same answers, errors included.
+
+
+class _Recorder:
+    """Stands in for ``fully_shard``: records each call's modules (as ids)
+    and settings, and changes nothing, so one model can be applied twice."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], dict[str, object]]] = []
+
+    def __call__(self, modules: nn.Module | list[nn.Module], **kwargs: object) -> None:
+        listed = modules if isinstance(modules, list) else [modules]
+        ignored = kwargs.get("ignored_params")
+        if isinstance(ignored, set):
+            kwargs["ignored_params"] = sorted(map(id, ignored))
+        self.calls.append(([id(m) for m in listed], kwargs))
+
+
+def _applied(p: Plan, model: nn.Module) -> list[tuple[list[int], dict[str, object]]] | str:
+    """What applying ``p`` asks of the primitive, or the refusal."""
+    recorder = _Recorder()
+    try:
+        fsdptx.apply_plan(p, model, "mesh", shard_module=recorder)  # type: ignore[arg-type]
+    except fsdptx.PlanMismatchError as e:
+        return str(e)
+    return recorder.calls
+
+
+def _planned(model: nn.Module, pipeline: Callable[..., Plan], mp_policy: MixedPrecisionPolicy | None) -> Plan | str:
+    try:
+        return fsdptx.plan(model, pipeline, mp_policy=mp_policy)
+    except (PlanningError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_and_blocks=repeated_blocks(), mp_policy=policies, tokens=fp32_tokens, data=st.data())
+def test_planning_and_applying_give_the_same_with_caches_on_and_off(
+    model_and_blocks: tuple[nn.Module, list[str]],
+    mp_policy: MixedPrecisionPolicy | None,
+    tokens: tuple[str, ...],
+    data: st.DataObject,
+) -> None:
+    """Invariant: with caches off (no block replay, no vouching, no memos)
+    planning gives the Plan it gives with them on, or the same error, and
+    applying that Plan asks the primitive for the same calls; only a Plan
+    made with caches on is vouched for."""
+    model, blocks = model_and_blocks
+    chosen = data.draw(st.lists(st.sampled_from(blocks), min_size=1, unique=True))
+    pipeline = fsdptx.compose(by_dtype([b for b in blocks if b in chosen], tokens), fsdptx.mark_reduction)
+    cached = _planned(model, pipeline, mp_policy)
+    with fsdptx.caches(enabled=False):
+        plain = _planned(model, pipeline, mp_policy)
+    assert cached == plain
+    if isinstance(cached, str) or isinstance(plain, str):
+        return
+    assert plain.verified is None
+    with fsdptx.caches(enabled=False):
+        applied_plain = _applied(cached, model)
+    assert _applied(cached, model) == applied_plain == _applied(plain, model)
+
+
+def _change(model: nn.Module, data: st.DataObject) -> None:
+    """One change planning would have seen: a cast, a freeze, a replaced or
+    an added parameter, or a module swapped for a copy."""
+    params = [(f, p) for f, p in model.named_parameters()]
+    kind = data.draw(st.sampled_from(["cast", "freeze", "replace", "add", "swap"]))
+    if kind == "add" or not params:
+        model.register_parameter("added", nn.Parameter(torch.zeros(2, dtype=BF16)))
+        return
+    fqn, p = data.draw(st.sampled_from(params))
+    owner_fqn, _, name = fqn.rpartition(".")
+    owner = model.get_submodule(owner_fqn)
+    if kind == "cast":
+        p.data = p.data.to(FP32 if p.dtype != FP32 else BF16)
+    elif kind == "freeze":
+        p.requires_grad_(not p.requires_grad)
+    elif kind == "replace":
+        owner.register_parameter(name, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+    elif owner_fqn:
+        up_fqn, _, child = owner_fqn.rpartition(".")
+        copy = type(owner).__new__(type(owner))
+        copy.__dict__.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in owner.__dict__.items()})
+        model.get_submodule(up_fqn).add_module(child, copy)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_and_blocks=repeated_blocks(), mp_policy=policies, data=st.data())
+def test_a_plan_made_stale_is_refused_alike_with_caches_on_and_off(
+    model_and_blocks: tuple[nn.Module, list[str]],
+    mp_policy: MixedPrecisionPolicy | None,
+    data: st.DataObject,
+) -> None:
+    """Invariant: after the model changes under a vouched Plan, applying
+    it refuses (or accepts) exactly what the full check refuses (or
+    accepts), with the same message: vouching never lets a stale plan
+    through."""
+    model, blocks = model_and_blocks
+    p = _planned(model, fsdptx.compose(by_dtype(blocks, ()), fsdptx.mark_reduction), mp_policy)
+    if isinstance(p, str):
+        return
+    assert p.verified is not None
+    _change(model, data)
+    with fsdptx.caches(enabled=False):
+        plain = _applied(p, model)
+    assert _applied(p, model) == plain
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_and_blocks=repeated_blocks(), mp_policy=policies, tokens=fp32_tokens, data=st.data())
+def test_imperative_calls_shard_alike_with_caches_on_and_off(
+    model_and_blocks: tuple[nn.Module, list[str]],
+    mp_policy: MixedPrecisionPolicy | None,
+    tokens: tuple[str, ...],
+    data: st.DataObject,
+) -> None:
+    """Invariant: ``fully_shard_by_dtype`` on each block, its calls
+    answered from the process-wide memo where a block alike was planned
+    (in this example or any before it), asks the primitive for the calls
+    it asks with caches off, or fails alike."""
+    model, blocks = model_and_blocks
+    ignored = {p for p in model.parameters() if data.draw(st.integers(0, 7)) == 0}
+
+    def shard_each_block() -> list[tuple[list[int], dict[str, object]]] | str:
+        recorder = _Recorder()
+        try:
+            for fqn in blocks:
+                fsdptx.fully_shard_by_dtype(
+                    model.get_submodule(fqn), "mesh", mp_policy, None, tokens,  # type: ignore[arg-type]
+                    ignored_params=ignored, shard_module=recorder,
+                )
+        except (PlanningError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        return recorder.calls
+
+    cached = shard_each_block()
+    with fsdptx.caches(enabled=False):
+        plain = shard_each_block()
+    assert cached == plain
