@@ -15,8 +15,8 @@ learns the largest and smallest of each; only tensors whose checksums
 differ or are not finite ("suspects") are compared element by element, the
 same way. Which tensors each group compares is derived once and cached on
 the model like the TP-replica sync's layout (off inside
-``fsdptx.tp._replicas.layout_cache(False)``), so a repeated audit does not
-walk the model.
+``fsdptx.caches(enabled=False)``), so a repeated audit does not walk the
+model.
 
 Collective discipline is the sync's: arguments are checked before the
 first collective; the peers of each group agree first (MAX of counts and

@@ -13,9 +13,7 @@ import hashlib
 import math
 import operator
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 
@@ -25,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..core._caches import caches_enabled
 from ..core._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
 from ..core._dtypes import gradient_reduce_dtype
 from ._marks import is_excluded_from_tp_replica_sync, marks_generation, module_reductions
@@ -453,24 +452,6 @@ def _cache_of(part: nn.Module) -> _LayoutCache | None:
     return cache if isinstance(cache, _LayoutCache) else None
 
 
-_LAYOUT_CACHE: ContextVar[bool] = ContextVar("fsdptx_tp_layout_cache", default=True)
-
-
-@contextmanager
-def layout_cache(enabled: bool) -> Iterator[None]:
-    """Turn the layout cache of the TP-replica sync, broadcast and audit on
-    or off within the block. Off, every call derives its layout from a fresh
-    walk (:func:`_derive_layout`), stores nothing on the model and leaves any
-    stored cache untouched: the plain path the cached one must equal."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"layout_cache: enabled must be a bool, got {enabled!r}")
-    token = _LAYOUT_CACHE.set(enabled)
-    try:
-        yield
-    finally:
-        _LAYOUT_CACHE.reset(token)
-
-
 def _derive_layout(
     parts: list[nn.Module],
     ctx: _TPContext,
@@ -515,11 +496,12 @@ def _layout(
     honour_exclusions: bool = True,
 ) -> _Layout:
     """:func:`_derive_layout`, cached per ``op`` on the first model part and
-    rebuilt when anything it was derived from changed; with the cache off
-    (:func:`layout_cache`), derived afresh and not stored."""
+    rebuilt when anything it was derived from changed; with caches off
+    (:func:`fsdptx.caches`), derived afresh, stored nowhere, and any stored
+    layout left untouched."""
     # The group by name, never the object (see _RememberedContext).
     key = (op, tuple(map(id, parts)), ctx.group_name, ctx.ranks, max_bytes, marks_generation(), honour_exclusions)
-    if not _LAYOUT_CACHE.get():
+    if not caches_enabled():
         return _derive_layout(parts, ctx, max_bytes, op, with_buffers, key, honour_exclusions)
     cache = _cache_of(parts[0])
     if cache is None:
@@ -536,7 +518,7 @@ def _layout(
 def _context_cache(parts: list[nn.Module]) -> _LayoutCache | None:
     """Where :func:`_tp_context` remembers the TP context: the model's cache,
     or nowhere while the cache is off."""
-    return _cache_of(parts[0]) if _LAYOUT_CACHE.get() else None
+    return _cache_of(parts[0]) if caches_enabled() else None
 
 
 # ----------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor
 
 import fsdptx
 from fsdptx.presets import Decoder, DecoderConfig
-from fsdptx.tp._replicas import layout_cache
 from fsdptx.testing import assert_replicas_in_sync, fake_mesh, record_collectives, run_distributed
 
 WORLD = 4
@@ -103,7 +102,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         fsdptx.FSDP2Manager(SP_FP32, mesh).parallelize(model)
         train(model, mesh, sync=sync, dp_rank=dp_rank)
         out[name] = summary(fsdptx.audit_replicas([model], mesh))
-        with layout_cache(False):
+        with fsdptx.caches(enabled=False):
             out[f"{name}_uncached"] = summary(fsdptx.audit_replicas([model], mesh))
         if sync:
             out.update(checksum_blind_drifts(model, mesh))

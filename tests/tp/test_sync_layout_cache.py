@@ -3,7 +3,7 @@ layout cache on and off.
 
 The cache (on by default) keeps each operation's layout on the model and
 re-derives it only when the model, its marks or the mesh changed;
-``layout_cache(False)`` derives it afresh on every call and stores nothing.
+``fsdptx.caches(enabled=False)`` derives it afresh on every call and stores nothing.
 Random module trees go through a random sequence of changes between calls
 (marks, exclusions, a cast, a parameter added or removed, new gradients);
 after each change, the cached run and the plain run must agree on what was
@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,7 +23,6 @@ from torch import nn
 import fsdptx
 from fsdptx.testing import fake_mesh
 from fsdptx.testing.strategies import modules
-from fsdptx.tp._replicas import layout_cache
 
 
 def _grads(model: nn.Module, seed: int) -> None:
@@ -105,13 +103,8 @@ def test_every_operation_gives_the_same_result_with_the_layout_cache_on_and_off(
             CHANGES[change](cached, index)
             CHANGES[change](plain, index)
             with_cache = _observe(cached, mesh, step)
-            with layout_cache(False):
+            with fsdptx.caches(enabled=False):
                 without = _observe(plain, mesh, step)
             assert _same(with_cache, without), f"after {change} {index}"
     assert "_fsdptx_tp_layouts" not in plain.__dict__, "the plain path stored a cache on the model"
 
-
-def test_the_switch_takes_only_a_bool() -> None:
-    with pytest.raises(TypeError, match="enabled must be a bool"):
-        with layout_cache("no"):  # type: ignore[arg-type]
-            pass
