@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from .apply._apply import apply_plan
 from .compat._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
 from .core._args import require_module
+from .core._names import name_tokens
 from .core._meshes import ParallelDims, moe_dp_dims, parallel_dims, tp_mesh
 from .core._policy import check_policy_dtypes
 from .plan._types import Plan
@@ -236,8 +237,9 @@ class FSDP2Config:
         check_policy_dtypes(self.mp_policy, "FSDP2Config")
         for name in ("expert_modules", "cross_block_modules", "blocks"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
-                raise TypeError(f"FSDP2Config.{name} must be a tuple of str, got {value!r}")
+            if value is not None:
+                # Stored as a tuple (the config stays hashable); a bare string is one name.
+                object.__setattr__(self, name, name_tokens(value, name, "FSDP2Config"))
 
     @property
     def checkpoint_mode(self) -> Literal["full", "selective"] | None:

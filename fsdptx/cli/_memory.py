@@ -582,7 +582,7 @@ def memory_json(trace: Trace, shards: Mapping[str, ParamShard], optimizer: str) 
 
 def memory_text(m: Mapping[str, Any]) -> list[str]:
     """The lines of the text report for the traced figures of ``memory_json``."""
-    from ._common import fmt_bytes
+    from ..core._sizes import format_bytes as fmt_bytes
 
     breakdown = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(m["peak_breakdown"].items(), key=lambda kv: -kv[1]))
     comm = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in m["collective_bytes"].items()) or "none"

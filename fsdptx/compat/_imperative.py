@@ -21,13 +21,13 @@ from torch.distributed.fsdp import (
 )
 
 from ..core._args import require_module
+from ..core._names import Names, name_tokens
 from ..apply._apply import ShardModule, apply_resolved, check_resolved, require_mesh as _require_mesh
 from ..apply._unused import configure_fsdp_unused_param_reduction
 from ..model._index import ModelIndex
 from ..model._unit_checks import container_classes
 from ..model._walk import ModelWalk, walk_model
 from ..plan._resolve import resolve_units
-from ..plan._transforms import _tuple_of_str
 from ..plan._types import CrossBlockRequest, DtypeRequest, Plan, Unit
 
 __all__ = [
@@ -45,7 +45,7 @@ def fully_shard_by_dtype(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None,
     offload_policy: OffloadPolicy | None,
-    fp32_compute_module_names: Sequence[str] | str = (),
+    fp32_compute_module_names: Names = (),
     reshard_after_forward: bool | int | None = None,
     ignored_params: Collection[nn.Parameter] | None = None,
     *,
@@ -80,7 +80,7 @@ def fully_shard_by_dtype(
     """
     require_module(module, "module", "fully_shard_by_dtype")
     _require_mesh(mesh, shard_module, "fully_shard_by_dtype")
-    tokens = _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
+    tokens = name_tokens(fp32_compute_module_names, "fp32_compute_module_names", "fully_shard_by_dtype")
     request = _Call(mp_policy, offload_policy, tokens, reshard_after_forward)
     units, resolved = _plan_call(module, request, ignored_params, _CALLS)
     _apply_now(Plan(units=units), module, resolved, mesh, shard_module)
@@ -323,7 +323,7 @@ def _ignored_slots(walk: ModelWalk, ignored_params: Collection[nn.Parameter] | N
 
 def fully_shard_across_blocks(
     blocks: Sequence[nn.Module],
-    module_names: Sequence[str] | str,
+    module_names: Names,
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None,
     offload_policy: OffloadPolicy | None,
@@ -354,7 +354,7 @@ def fully_shard_across_blocks(
     if wrong:
         raise TypeError(f"fully_shard_across_blocks: every block must be an nn.Module; {', '.join(wrong)}")
     _require_mesh(mesh, shard_module, "fully_shard_across_blocks")
-    names = _tuple_of_str(module_names, "module_names")
+    names = name_tokens(module_names, "module_names", "fully_shard_across_blocks")
     holder = nn.ModuleList(blocks)  # a view for FQNs "0.attn.sinks"; blocks are not changed
     index = ModelIndex.build(holder)
     units = resolve_units(

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ._args import require_dtype, require_module, require_names
+from ._args import require_dtype, require_module
+from ._names import Names, name_tokens
 
 __all__ = [
     "LOW_PRECISION_FLOATS",
@@ -140,7 +141,7 @@ def compute_dtype(
 def make_compute_dtype_fn(
     module: nn.Module,
     mp_policy: MixedPrecisionPolicy | None,
-    fp32_compute_module_names: Collection[str] = (),
+    fp32_compute_module_names: Names = (),
     ignored_params: Collection[nn.Parameter] | None = None,
 ) -> Callable[[torch.Tensor], torch.dtype]:
     """Build a ``tensor -> compute dtype`` resolver for ``module``'s tensors.
@@ -152,7 +153,7 @@ def make_compute_dtype_fn(
     no names (rules 1 and 3-5).
     """
     require_module(module, "module", "make_compute_dtype_fn")
-    tokens = require_names(fp32_compute_module_names, "fp32_compute_module_names", "make_compute_dtype_fn")
+    tokens = name_tokens(fp32_compute_module_names, "fp32_compute_module_names", "make_compute_dtype_fn")
     ignored = {id(p) for p in ignored_params or ()}
     names: dict[int, list[str]] = {}
     for fqn, p in module.named_parameters(remove_duplicate=False):

@@ -6,11 +6,11 @@ Plan; ``apply_plan`` carries the result out."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import get_args
 
 from torch import nn
 
+from ..core._names import Names
 from ..model._index import PlanningError
 from ._kinds import unit_blind
 from ._transforms import block_fqns, model_index
@@ -34,7 +34,7 @@ def checkpoint_activations(
     /,
     *,
     mode: CheckpointMode = "full",
-    blocks: Sequence[str] | None = None,
+    blocks: Names | None = None,
 ) -> Plan:
     """Checkpoint activations of each block: ``"full"`` keeps only each
     block's input and recomputes the rest in backward; ``"selective"`` also

@@ -11,16 +11,17 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Protocol
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from ..core._args import require_module
+from ..core._names import Names, name_tokens, natural_key
 from ..core._policy import check_policy_dtypes
 from ..hf import hf_fp32_compute_tokens, hf_replica_reductions
-from ..model._index import ModelIndex, PlanningError, _natural, resolve_blocks
+from ..model._index import ModelIndex, PlanningError, resolve_blocks
 from ._kinds import reads_no_units as _reads_no_units, request_of as _request_of, request_transform, unit_blind
 from ._resolve import resolve_units
 from ._types import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, marks_under_exclusions, preview
@@ -186,14 +187,14 @@ def check_reshard(value: object, where: str) -> bool | int | None:
     )
 
 
-def block_fqns(blocks: Sequence[str] | None, index: ModelIndex, where: str) -> tuple[str, ...]:
+def block_fqns(blocks: Names | None, index: ModelIndex, where: str) -> tuple[str, ...]:
     """The target blocks: given (module FQNs, class names or globs: see
     :func:`~fsdptx.plan._resolve.resolve_blocks`), or discovered; never
     nested in one another (a block inside another would be silently
     absorbed by it)."""
     if blocks is None:
         return index.blocks
-    targets = resolve_blocks(_tuple_of_str(blocks, "blocks"), index, where)
+    targets = resolve_blocks(name_tokens(blocks, "blocks", where), index, where)
     ordered = sorted(targets)
     for outer, inner in zip(ordered, ordered[1:]):
         if inner == outer or inner.startswith(outer + ".") or outer == "":
@@ -204,30 +205,16 @@ def block_fqns(blocks: Sequence[str] | None, index: ModelIndex, where: str) -> t
     return targets
 
 
-def _tuple_of_str(value: object, what: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, Iterable):
-        raise TypeError(f"{what} must be a string or strings, got {type(value).__name__}")
-    items: tuple[object, ...] = tuple(value)
-    bad = [v for v in items if not isinstance(v, str)]
-    if bad:
-        raise TypeError(f"{what} must be strings, got {bad!r}")
-    return items  # type: ignore[return-value]
-
-
 def _request_dtype(
     model: nn.Module,
     plan: Plan,
     index: ModelIndex,
     *,
-    blocks: Sequence[str] | None = None,
-    fp32_compute_module_names: Collection[str] | None = None,
-    ignored_params: Collection[str] = (),
+    blocks: Names | None = None,
+    fp32_compute_module_names: Names | None = None,
+    ignored_params: Names = (),
     reshard_after_forward: bool | int | None = None,
-    expert_modules: Collection[str] | None = None,
+    expert_modules: Names | None = None,
 ) -> Plan:
     _refuse_presharded(index, "shard_by_dtype")
     if plan.dtype_request is not None:
@@ -237,7 +224,7 @@ def _request_dtype(
         )
     targets = block_fqns(blocks, index, "shard_by_dtype")
     tokens = (
-        _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
+        name_tokens(fp32_compute_module_names, "fp32_compute_module_names", "shard_by_dtype")
         if fp32_compute_module_names is not None
         else hf_fp32_compute_tokens(model, plan.mp_policy.param_dtype if plan.mp_policy else None)
     )
@@ -245,7 +232,7 @@ def _request_dtype(
     request = DtypeRequest(
         targets=experts + tuple(t for t in targets if t) + ("",),
         fp32_compute_module_names=tokens,
-        ignored_params=_tuple_of_str(ignored_params, "ignored_params"),
+        ignored_params=name_tokens(ignored_params, "ignored_params", "shard_by_dtype"),
         reshard_after_forward=check_reshard(
             reshard_after_forward if reshard_after_forward is not None else plan.reshard_after_forward,
             "shard_by_dtype",
@@ -283,15 +270,15 @@ def _refuse_presharded(index: ModelIndex, where: str) -> None:
     )
 
 
-def _experts(model: nn.Module, index: ModelIndex, globs: Collection[str] | None) -> tuple[str, ...]:
+def _experts(model: nn.Module, index: ModelIndex, globs: Names | None) -> tuple[str, ...]:
     """Expert module FQNs from globs (one dotted segment per ``*``), or the
     model's ``_fsdptx_expert_modules``; planned before their blocks, so each
     is a unit of its own on the MoE mesh, and kept out of TP-replica sync
     (expert shards differ between ranks by design)."""
     patterns = (
-        _tuple_of_str(globs, "expert_modules")
+        name_tokens(globs, "expert_modules", "shard_by_dtype")
         if globs is not None
-        else _tuple_of_str(getattr(model, "_fsdptx_expert_modules", None), "_fsdptx_expert_modules")
+        else name_tokens(getattr(model, "_fsdptx_expert_modules", None), "_fsdptx_expert_modules")
     )
     found: list[str] = []
     for g in patterns:
@@ -299,7 +286,7 @@ def _experts(model: nn.Module, index: ModelIndex, globs: Collection[str] | None)
         if not matched:
             raise PlanningError(f"shard_by_dtype: expert module glob {g!r} matches no module of the model")
         found.extend(f for f in matched if f not in found)
-    return tuple(sorted(found, key=_natural))
+    return tuple(sorted(found, key=natural_key))
 
 
 @request_transform(_request_dtype)
@@ -308,11 +295,11 @@ def shard_by_dtype(
     plan: Plan,
     /,
     *,
-    blocks: Sequence[str] | None = None,
-    fp32_compute_module_names: Collection[str] | None = None,
-    ignored_params: Collection[str] = (),
+    blocks: Names | None = None,
+    fp32_compute_module_names: Names | None = None,
+    ignored_params: Names = (),
     reshard_after_forward: bool | int | None = None,
-    expert_modules: Collection[str] | None = None,
+    expert_modules: Names | None = None,
 ) -> Plan:
     """Plan dtype-uniform FSDP units for every block, then the root.
 
@@ -349,13 +336,13 @@ def _request_cross_blocks(
     plan: Plan,
     index: ModelIndex,
     *,
-    blocks: Sequence[str] | None = None,
-    module_names: Sequence[str] | None = None,
+    blocks: Names | None = None,
+    module_names: Names | None = None,
 ) -> Plan:
     names = (
-        _tuple_of_str(module_names, "module_names")
+        name_tokens(module_names, "module_names", "shard_across_blocks")
         if module_names is not None
-        else _tuple_of_str(getattr(model, "_fsdp_shard_across_blocks", None), "_fsdp_shard_across_blocks")
+        else name_tokens(getattr(model, "_fsdp_shard_across_blocks", None), "_fsdp_shard_across_blocks")
     )
     if not names:
         return plan
@@ -376,8 +363,8 @@ def shard_across_blocks(
     plan: Plan,
     /,
     *,
-    blocks: Sequence[str] | None = None,
-    module_names: Sequence[str] | None = None,
+    blocks: Names | None = None,
+    module_names: Names | None = None,
 ) -> Plan:
     """Plan one FSDP unit per name, spanning every block's instance of it.
 
@@ -432,7 +419,7 @@ def mark_reduction(
     /,
     *,
     reductions: Mapping[str, str] | None = None,
-    exclude: Collection[str] | None = None,
+    exclude: Names | None = None,
 ) -> Plan:
     """Record TP-replica gradient reductions and exclusions in the Plan.
 
@@ -454,8 +441,8 @@ def mark_reduction(
         )
     index = model_index(model, plan)
     marks = dict(reductions) if reductions is not None else _declared_reductions(model, index)
-    globs = _tuple_of_str(
-        exclude if exclude is not None else getattr(model, "_tp_replica_sync_exclude", None), "exclude"
+    globs = name_tokens(
+        exclude if exclude is not None else getattr(model, "_tp_replica_sync_exclude", None), "exclude", "mark_reduction"
     )
     bad = {g: r for g, r in marks.items() if r not in REDUCTIONS}
     if bad:

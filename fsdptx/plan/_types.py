@@ -8,7 +8,6 @@ applied later by :func:`fsdptx.apply_plan`.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from dataclasses import dataclass, field
 from typing import Literal
@@ -16,6 +15,9 @@ from typing import Literal
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from ..core._names import collapse_keyed, index_runs, join_names
+from ..core._sizes import format_bytes
 
 __all__ = [
     "Checkpointing",
@@ -331,25 +333,6 @@ def _dtype_name(d: torch.dtype | None) -> str:
     return "-" if d is None else str(d).removeprefix("torch.")
 
 
-def summarize_modules(modules: tuple[str, ...]) -> str:
-    """``layers.0.attn.sinks`` .. ``layers.39.attn.sinks`` -> ``layers.*.attn.sinks (x40)``."""
-    if len(modules) == 1:
-        return modules[0] or "<root>"
-    patterns = {re.sub(r"(?<![^.])\d+(?![^.])", "*", m) for m in modules}
-    if len(patterns) == 1:
-        return f"{patterns.pop()} (x{len(modules)})"
-    return f"{modules[0]} +{len(modules) - 1} more"
-
-
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 def format_plan(plan: Plan) -> str:
     """Render the plan as a fixed-width table, one row per unit in order."""
     header: tuple[str, ...] = ("#", "kind", "modules", "storage->compute", "params", "numel", "bytes", "reshard")
@@ -361,11 +344,11 @@ def format_plan(plan: Plan) -> str:
         row: tuple[str, ...] = (
             str(i),
             u.kind,
-            summarize_modules(u.modules),
+            join_names(u.modules),
             "-" if u.storage_dtype is None else f"{_dtype_name(u.storage_dtype)}->{_dtype_name(u.compute_dtype)}",
             str(len(u.params)),
             f"{u.numel:,}",
-            _human_bytes(u.nbytes),
+            format_bytes(u.nbytes),
             _reshard_cell(u),
         )
         rows.append(row + ("; ".join(u.reasons),) if why else row)
@@ -375,10 +358,10 @@ def format_plan(plan: Plan) -> str:
     table.insert(1, "  ".join("-" * w for w in widths))
     lines.extend(table)
     total = sum(u.nbytes for u in plan.units)
-    lines.append(f"{len(plan.units)} units, {_human_bytes(total)} of parameters")
+    lines.append(f"{len(plan.units)} units, {format_bytes(total)} of parameters")
     if any(u.mesh != "dp" for u in plan.units):
         moe = [i for i, u in enumerate(plan.units) if u.mesh == "moe"]
-        lines.append(f"sharded over the MoE mesh: units {_ranges(moe)}; all others over the dense mesh")
+        lines.append(f"sharded over the MoE mesh: units {index_runs(moe)}; all others over the dense mesh")
     lines.extend(_format_requests(plan))
     if plan.reductions:
         counts = {r: sum(1 for v in plan.reductions.values() if v == r) for r in REDUCTIONS}
@@ -399,47 +382,18 @@ def _reshard_cell(u: Unit) -> str:
     return str(reshards_after_forward(u))
 
 
-def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    out: list[str] = []
-    start = prev = None
-    for i in indices + [None]:
-        if start is not None and (i is None or i != prev + 1):  # type: ignore[operator]
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if i is not None and start is None:
-            start = i
-        prev = i
-    return ", ".join(out)
-
-
-def _collapse(fqns: tuple[str, ...]) -> list[str]:
-    """FQNs grouped by their pattern with indices as ``*``, each with a count."""
-    groups: dict[str, list[str]] = {}
-    for f in fqns:
-        groups.setdefault(re.sub(r"(?<![^.])\d+(?![^.])", "*", f), []).append(f)
-    return [summarize_modules(tuple(g)) if len(g) > 1 else g[0] or "<root>" for g in groups.values()]
-
-
 def _format_stream(steps: tuple[StreamStep, ...]) -> list[str]:
     """The residual stream in forward order, one row per pattern (block
     indices as ``*``): what each module receives and hands on, and what
     the sequence-layout pass added there."""
     if not steps:
         return []
-    rows: dict[tuple[str, str, str, str, str], list[str]] = {}
-    for s in steps:
-        key = (re.sub(r"(?<![^.])\d+(?![^.])", "*", s.module) or "<root>", s.role, s.takes, s.gives, s.added or "")
-        rows.setdefault(key, []).append(s.module or "<root>")
-    # A pattern stands for several modules; a single module shows as itself.
-    shown = {key: key[0] if len(mods) > 1 else mods[0] for key, mods in rows.items()}
-    width = max(map(len, shown.values()))
+    rows = collapse_keyed((s.module, (s.role, s.takes, s.gives, s.added or "")) for s in steps)
+    width = max(len(label) for label, _key, _names in rows)
     out = ["  stream (forward order): module  role  receives -> hands on  [added]"]
-    for key, mods in rows.items():
-        _pattern, role, takes, gives, added = key
-        count = f" (x{len(mods)})" if len(mods) > 1 else ""
+    for label, (role, takes, gives, added), _names in rows:
         extra = f"  [{added}]" if added else ""
-        out.append(f"    {shown[key].ljust(width)}  {role}: {takes} -> {gives}{count}{extra}")
+        out.append(f"    {label.ljust(width)}  {role}: {takes} -> {gives}{extra}")
     return out
 
 
@@ -448,17 +402,12 @@ def _format_requests(plan: Plan) -> list[str]:
     lines: list[str] = []
     tp = plan.tensor_parallel
     if tp is not None:
-        by_style: dict[tuple[str, str], list[str]] = {}
-        for a in tp.assignments:
-            by_style.setdefault((re.sub(r"(?<![^.])\d+(?![^.])", "*", a.module), a.style), []).append(a.module)
+        rows = collapse_keyed((a.module, a.style) for a in tp.assignments)
         sp = " with sequence parallelism" if tp.sequence_parallel else ""
         lines.append(f"tensor parallel{sp}: {len(tp.assignments)} modules")
-        # A pattern stands for several modules; a single module shows as itself.
-        rows = [(mods[0] if len(mods) == 1 else pattern, style, len(mods)) for (pattern, style), mods in by_style.items()]
-        width = max((len(r[0]) for r in rows), default=0)
-        for shown, style, n in rows:
-            count = f" (x{n})" if n > 1 else ""
-            lines.append(f"  {shown.ljust(width)}  {style}{count}")
+        width = max((len(label) for label, _style, _names in rows), default=0)
+        for label, style, _names in rows:
+            lines.append(f"  {label.ljust(width)}  {style}")
         for pattern, style, why in tp.skipped:
             lines.append(f"  {pattern.ljust(width)}  {style}: not a torch style, {why}")
         if tp.loss_parallel:
@@ -466,7 +415,7 @@ def _format_requests(plan: Plan) -> list[str]:
         lines.extend(_format_stream(tp.stream))
     if plan.checkpointing is not None:
         ac = plan.checkpointing
-        lines.append(f"activation checkpointing ({ac.mode}): " + ", ".join(_collapse(ac.modules)))
+        lines.append(f"activation checkpointing ({ac.mode}): " + join_names(ac.modules))
     if plan.prefetch:
         fwd = max(len(p.forward) for p in plan.prefetch)
         bwd = max(len(p.backward) for p in plan.prefetch)
