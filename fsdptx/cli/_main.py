@@ -236,7 +236,7 @@ def render(data: dict[str, Any], p: Plan) -> str:
             + " (unmarked replicated params: mean)"
         )
     if data["tp_replica_sync_excluded"]:
-        lines.append("excluded from tp-replica sync: " + ", ".join(data["tp_replica_sync_excluded"]))
+        lines.append("excluded from tp-replica sync: " + join_names(data["tp_replica_sync_excluded"]))
     s = data["step"]
     lines += [
         "",

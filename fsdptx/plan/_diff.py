@@ -165,9 +165,9 @@ def _membership(name: str, a: tuple[str, ...], b: tuple[str, ...]) -> list[str]:
     removed = [m for m in a if m not in b]
     lines = []
     if added:
-        lines.append(f"{name} gains " + ", ".join(collapse((m, "") for m in added)))
+        lines.append(f"{name} gains " + join_names(added))
     if removed:
-        lines.append(f"{name} loses " + ", ".join(collapse((m, "") for m in removed)))
+        lines.append(f"{name} loses " + join_names(removed))
     return lines
 
 

@@ -371,7 +371,7 @@ def format_plan(plan: Plan) -> str:
             + " (unmarked replicated params: mean)"
         )
     if plan.exclusions:
-        lines.append("excluded from tp-replica sync: " + ", ".join(plan.exclusions))
+        lines.append("excluded from tp-replica sync: " + join_names(plan.exclusions))
     return "\n".join(lines)
 
 
