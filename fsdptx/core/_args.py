@@ -4,6 +4,9 @@ from deep inside torch after part of the work is done."""
 
 from __future__ import annotations
 
+import operator
+from typing import SupportsIndex
+
 import torch
 from torch import nn
 
@@ -27,10 +30,9 @@ def require_dtype(value: object, argument: str, where: str) -> torch.dtype:
 def require_positive_int(value: object, argument: str, where: str) -> int:
     """A positive ``int`` (``bool`` is not one): a float, NaN or string
     byte budget would fail (or loop) deep inside the caller."""
-    if type(value) is not int:
-        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-            raise TypeError(f"{where}: {argument} must be a positive int, got {value!r}")
-        value = int(value.__index__())  # type: ignore[attr-defined]
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise TypeError(f"{where}: {argument} must be a positive int, got {value!r}")
+    value = operator.index(value)
     if value <= 0:
         raise ValueError(f"{where}: {argument} must be positive, got {value!r}")
     return value

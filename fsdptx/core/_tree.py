@@ -269,10 +269,13 @@ def rank_stable_unique(entries: list[Entry]) -> list[Entry]:
     return out
 
 
+_Tensor = TypeVar("_Tensor", bound=torch.Tensor)
+
+
 def _iter_unique_named(
     model_parts: Sequence[nn.Module] | nn.Module,
-    named: Callable[[nn.Module], Iterable[tuple[str, torch.Tensor]]],
-) -> Iterator[tuple[str, torch.Tensor]]:
+    named: Callable[[nn.Module], Iterable[tuple[str, _Tensor]]],
+) -> Iterator[tuple[str, _Tensor]]:
     parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
     for i, part in enumerate(parts):
         require_module(part, f"model_parts[{i}]", "iter_unique_named_parameters/buffers")
@@ -291,9 +294,7 @@ def iter_unique_named_parameters(
     logical model differently, so the order is (part index, FQN as a plain
     string); a tied parameter appears once, under its smallest FQN.
     """
-    yield from _iter_unique_named(  # type: ignore[misc]
-        model_parts, lambda m: m.named_parameters(remove_duplicate=False)
-    )
+    yield from _iter_unique_named(model_parts, lambda m: m.named_parameters(remove_duplicate=False))
 
 
 def iter_unique_named_buffers(

@@ -24,7 +24,7 @@ from ..hf import hf_fp32_compute_tokens, hf_replica_reductions
 from ..model._index import ModelIndex, PlanningError, resolve_blocks
 from ._kinds import reads_no_units as _reads_no_units, request_of as _request_of, request_transform, unit_blind
 from ._resolve import resolve_units
-from ._types import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, marks_under_exclusions, preview
+from ._types import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, is_reduction, marks_under_exclusions, preview
 from ._vouch import vouch, vouch_marks
 
 __all__ = [
@@ -444,7 +444,8 @@ def mark_reduction(
     globs = name_tokens(
         exclude if exclude is not None else getattr(model, "_tp_replica_sync_exclude", None), "exclude", "mark_reduction"
     )
-    bad = {g: r for g, r in marks.items() if r not in REDUCTIONS}
+    valid: dict[str, Reduction] = {g: r for g, r in marks.items() if is_reduction(r)}
+    bad = {g: r for g, r in marks.items() if g not in valid}
     if bad:
         raise ValueError(
             "mark_reduction: unknown reduction "
@@ -454,7 +455,7 @@ def mark_reduction(
     matches = _matching(index, [*marks, *globs])
     out: dict[str, Reduction] = dict(plan.reductions)
     source: dict[str, str] = {}
-    for pattern, reduction in marks.items():
+    for pattern, reduction in valid.items():
         matched = matches[pattern]
         if not matched:
             raise PlanningError(f"mark_reduction: reduction glob {pattern!r} matches no module of the model")
@@ -472,7 +473,7 @@ def mark_reduction(
                         f"mark_reduction: parameter {pfqn!r} is marked both {out[pfqn]!r}"
                         f" (by {source.get(pfqn, 'an earlier mark')!r}) and {reduction!r} (by {pattern!r})"
                     )
-                out[pfqn] = reduction  # type: ignore[assignment]
+                out[pfqn] = reduction
                 source[pfqn] = pattern
     excluded = list(plan.exclusions)
     for pattern in globs:

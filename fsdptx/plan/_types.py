@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -18,6 +18,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..core._names import collapse_keyed, index_runs, join_names
 from ..core._sizes import format_bytes
+
+if TYPE_CHECKING:
+    # For the annotation of Plan.scratch only: model is below plan, so this
+    # is no upward edge, and nothing is imported at run time.
+    from ..model._index import ModelIndex
 
 __all__ = [
     "Checkpointing",
@@ -33,10 +38,18 @@ __all__ = [
     "Unit",
     "UnitKind",
     "UnitMesh",
+    "Verification",
+    "is_reduction",
 ]
 
 Reduction = Literal["mean", "sum"]
 REDUCTIONS: tuple[Reduction, ...] = ("mean", "sum")
+
+
+def is_reduction(value: object) -> TypeGuard[Reduction]:
+    """Whether ``value`` is one of :data:`REDUCTIONS` (so typed as one)."""
+    return value in REDUCTIONS
+
 UnitKind = Literal["cross-block", "dtype", "block", "expert", "root"]
 # Which mesh a unit shards over: the dense data-parallel mesh, or the MoE
 # mesh's data-parallel dims (expert modules, whose ranks are laid out for
@@ -209,6 +222,16 @@ class FrozenReductions(Mapping[str, Reduction]):
         return (FrozenReductions, (self._items,))
 
 
+class Verification(Protocol):
+    """What a Plan's ``verified`` holds: :class:`fsdptx.plan._vouch.Vouched`,
+    described here by what every reader checks first (that it vouches for
+    these very ``units``), since ``_vouch`` imports this module and the
+    class itself cannot be named here without a cycle."""
+
+    @property
+    def units(self) -> tuple[Unit, ...]: ...
+
+
 @dataclass(frozen=True)
 class Plan:
     """Immutable result of planning; ``units`` are in application order
@@ -240,12 +263,12 @@ class Plan:
     # Read-only index of the model being planned, shared by the transforms of
     # one fsdptx.plan() call so the model is walked once; plan() drops it
     # before returning. Not part of the Plan's value.
-    scratch: object | None = field(default=None, compare=False, repr=False)
+    scratch: ModelIndex | None = field(default=None, compare=False, repr=False)
     # What planning vouches for (fsdptx.plan._vouch.Vouched): the
     # signature of the model these very units were resolved against, so
     # apply_plan can skip re-deriving their claims while the model is
     # unchanged. Not part of the Plan's value; new units drop its use.
-    verified: object | None = field(default=None, compare=False, repr=False)
+    verified: Verification | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
@@ -259,9 +282,9 @@ class Plan:
         refer to live objects of this process, so a copy is checked in full."""
         return {**self.__dict__, "scratch": None, "verified": None}
 
-    def replace(self, **changes: object) -> Plan:
+    def replace(self, **changes: Any) -> Plan:
         """A copy with ``changes``; the Plan itself never changes."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        return dataclasses.replace(self, **changes)
 
     @property
     def owned_params(self) -> dict[str, int]:
