@@ -180,6 +180,36 @@ class FSDP2Config:
     modelled on do not define them, so there is no behaviour to match;
     ``activation_checkpointing`` covers the blocks, and ``mp_policy`` is
     the one place compute dtypes are set (no autocast).
+
+    Attributes:
+        sequence_parallel: run the blocks on the sequence shard (needs a
+            ``tp`` dim).
+        tp_plan: module glob -> style name or torch ``ParallelStyle``; the
+            model's declared plan when ``None``.
+        patch_is_packed_sequence: apply :func:`patch_is_packed_sequence`.
+        mp_policy: the mixed-precision policy; ``None`` means disabled.
+        offload_policy: every unit's offload policy.
+        activation_checkpointing: ``False``, ``True``, ``"full"`` or
+            ``"selective"``.
+        defer_fsdp_grad_sync: the default ``defer`` of gradient accumulation.
+        reshard_after_forward: ``None`` (the reshard policy), a bool or a
+            group size.
+        enable_async_tensor_parallel: overlap the sequence collectives with
+            the matmuls (needs ``sequence_parallel`` and CUDA).
+        enable_compile: ``torch.compile`` each block.
+        enable_fsdp2_prefetch: chain explicit prefetches between blocks.
+        fsdp2_backward_prefetch_depth: blocks all-gathered ahead in backward.
+        fsdp2_forward_prefetch_depth: blocks all-gathered ahead in forward.
+        expert_modules: globs of expert modules (a bare string is one glob).
+        cross_block_modules: holders made one unit across blocks (a bare
+            string is one name).
+        blocks: the model's blocks (a bare string is one name or glob).
+        loss_parallel: keep the head's logits vocabulary-sharded.
+
+    Example::
+
+        config = fsdptx.FSDP2Config(sequence_parallel=True, activation_checkpointing="selective")
+        model = fsdptx.FSDP2Manager(config, mesh).parallelize(model)
     """
 
     sequence_parallel: bool = False
@@ -239,7 +269,7 @@ class FSDP2Config:
             value = getattr(self, name)
             if value is not None:
                 # Stored as a tuple (the config stays hashable); a bare string is one name.
-                object.__setattr__(self, name, name_tokens(value, name, "FSDP2Config"))
+                object.__setattr__(self, name, name_tokens(value, f"FSDP2Config.{name}"))
 
     @property
     def checkpoint_mode(self) -> Literal["full", "selective"] | None:
@@ -273,6 +303,17 @@ class FSDP2Manager:
     expert modules (``config.expert_modules``, or what the model declares)
     over its data-parallel dims. :meth:`plan` is the pure dry run;
     :meth:`parallelize` applies exactly that Plan.
+
+    Args:
+        config: the settings.
+        device_mesh: the mesh, read by dim names.
+        moe_mesh: the mesh expert modules shard over, if any.
+
+    Example::
+
+        manager = fsdptx.FSDP2Manager(fsdptx.FSDP2Config(), mesh)
+        print(manager.plan(model))        # pure: review before anything changes
+        model = manager.parallelize(model)
     """
 
     def __init__(self, config: FSDP2Config, device_mesh: DeviceMesh, moe_mesh: DeviceMesh | None = None) -> None:
@@ -475,6 +516,23 @@ def gradient_sync_context(model: nn.Module, is_optimizer_step: bool, *, defer: b
     On exit every unit gets back the sync setting it had on entry (not
     "on"): nested contexts then compose, and a unit whose sync the user had
     turned off stays off. Arguments are checked before any unit changes.
+
+    Args:
+        model: the (partly) FSDP-sharded model.
+        is_optimizer_step: whether this micro-batch ends the optimizer step.
+        defer: whether to skip the reduce-scatter on the other micro-batches.
+
+    Yields:
+        Nothing; the backward runs inside.
+
+    Raises:
+        TypeError: ``is_optimizer_step`` or ``defer`` is not a bool.
+
+    Example::
+
+        for i, batch in enumerate(micro_batches):
+            with fsdptx.gradient_sync_context(model, is_optimizer_step=i == len(micro_batches) - 1):
+                model(batch).sum().backward()
     """
     require_module(model, "model", "gradient_sync_context")
     if not isinstance(is_optimizer_step, bool):
@@ -533,6 +591,14 @@ def patch_is_packed_sequence() -> bool:
     Idempotent; returns whether the check is patched (False without
     ``transformers``, or with a version that has no such check: nothing to
     patch, so nothing is added to it).
+
+    Returns:
+        Whether the check is patched.
+
+    Example::
+
+        if not fsdptx.patch_is_packed_sequence():
+            print("nothing to patch")
     """
     try:
         from transformers import modeling_flash_attention_utils as fa

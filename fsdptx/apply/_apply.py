@@ -52,7 +52,18 @@ CheckpointModule = Callable[..., Any]
 
 
 class PlanMismatchError(ValueError):
-    """The Plan does not fit the model it is applied to; nothing was changed."""
+    """The Plan does not fit the model it is applied to; nothing was changed.
+
+    A ``ValueError`` listing every problem found (up to twenty), each naming
+    the unit, module or parameter concerned.
+
+    Example::
+
+        try:
+            fsdptx.apply_plan(p, model, mesh)
+        except fsdptx.PlanMismatchError as e:
+            print(e)  # the model is exactly as it was
+    """
 
 
 def _fail(problems: list[str]) -> None:
@@ -89,6 +100,21 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     A plan whose units the planner resolved and checked against this model,
     unchanged since (same walk signature: see
     :mod:`fsdptx.model._walk` and :mod:`fsdptx.plan._vouch`), is not checked again.
+
+    Args:
+        plan: the Plan to check.
+        model: the model it would be applied to.
+
+    Returns:
+        Each unit's modules, in plan order.
+
+    Raises:
+        TypeError: ``plan`` is not a Plan or ``model`` not a module.
+        PlanMismatchError: the plan does not fit the model.
+
+    Example::
+
+        units = fsdptx.check_plan(fsdptx.plan_from_json(text), model)  # before a long job starts
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"check_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
@@ -442,6 +468,30 @@ def apply_plan(
     ``cp`` folded in (HSDP when ``dp_replicate`` is present). Each effect is
     an argument with torch's default, so tests can record calls and other
     frameworks substitute their own.
+
+    Args:
+        plan: the Plan to carry out (from :func:`fsdptx.plan` or a plan file).
+        model: the model it was planned for.
+        mesh: the device mesh, read by dim names.
+        moe_mesh: the mesh expert units shard over; needed when the plan has
+            expert units.
+        shard_module: the FSDP primitive (``fully_shard``).
+        parallelize_module: the TP primitive (``parallelize_module``).
+        checkpoint_module: the activation-checkpoint primitive (torch's
+            composable ``checkpoint``).
+
+    Returns:
+        ``model``, parallelized in place.
+
+    Raises:
+        TypeError: ``plan`` is not a Plan, or ``moe_mesh`` not a mesh.
+        PlanMismatchError: the plan does not fit the model or the mesh;
+            nothing was changed.
+
+    Example::
+
+        p = fsdptx.plan(model, pipeline, mp_policy=policy)
+        fsdptx.apply_plan(p, model, mesh["dp"])
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")

@@ -77,6 +77,28 @@ def fully_shard_by_dtype(
     A call on a module shaped like one an earlier call planned (the next
     block of a model) takes that call's units from a memo instead of
     planning again (:class:`_CallMemo`).
+
+    Args:
+        module: the module to shard (a block, or the model root last).
+        mesh: the data-parallel mesh.
+        mp_policy: the policy of the bulk; ``None`` means disabled.
+        offload_policy: every unit's offload policy.
+        fp32_compute_module_names: name tokens that compute in fp32.
+        reshard_after_forward: every unit's reshard setting (``None`` is not
+            passed on).
+        ignored_params: Parameters owned elsewhere.
+        shard_module: the FSDP primitive (``fully_shard``).
+
+    Raises:
+        TypeError: a wrong argument type (``ignored_params`` given as names).
+        ValueError: parameters of different groups sit directly on one
+            module; nothing was sharded.
+
+    Example::
+
+        for block in model.layers:
+            fsdptx.fully_shard_by_dtype(block, mesh, policy, None, fp32_compute_module_names=["sinks"])
+        fsdptx.fully_shard_by_dtype(model, mesh, policy, None)
     """
     require_module(module, "module", "fully_shard_by_dtype")
     _require_mesh(mesh, shard_module, "fully_shard_by_dtype")
@@ -284,6 +306,15 @@ class ParameterSet(set[nn.Parameter]):
     whole set once per block. Given a ``ParameterSet`` it only looks up the
     module's own parameters in it; any other collection is checked element
     by element on every call. :func:`fully_shard_across_blocks` returns one.
+
+    Args:
+        items: the initial members, each an ``nn.Parameter``.
+
+    Example::
+
+        owned = fsdptx.fully_shard_across_blocks(model.layers, ["sinks"], mesh, policy, None)
+        for block in model.layers:
+            fsdptx.fully_shard_by_dtype(block, mesh, policy, None, ignored_params=owned)
     """
 
     def __init__(self, items: Iterable[nn.Parameter] = ()) -> None:
@@ -345,6 +376,29 @@ def fully_shard_across_blocks(
     parameters of every unit made here as they are after sharding (DTensor
     parameters), for use as ``ignored_params`` of the enclosing units, as a
     :class:`ParameterSet`: a ``set`` with which those calls stay linear.
+
+    Args:
+        blocks: the blocks, in order.
+        module_names: block-relative names of the holders (a bare string is
+            one name).
+        mesh: the data-parallel mesh.
+        mp_policy: the caller's policy; the units compute in fp32 from it.
+        offload_policy: the units' offload policy.
+        shard_module: the FSDP primitive (``fully_shard``).
+
+    Returns:
+        The holders' parameters as a :class:`ParameterSet`.
+
+    Raises:
+        TypeError: ``blocks`` is not a list of modules.
+        ValueError: a name is in no block, or a matched module holds a
+            parameter that is not fp32.
+
+    Example::
+
+        owned = fsdptx.fully_shard_across_blocks(model.layers, ["self_attn"], mesh, policy, None)
+        for block in model.layers:
+            fsdptx.fully_shard_by_dtype(block, mesh, policy, None, ignored_params=owned)
     """
     if isinstance(blocks, nn.Module) or not isinstance(blocks, Sequence):
         raise TypeError(
@@ -404,7 +458,20 @@ def reject_unsupported_mtp_cp(model: nn.Module) -> None:
     """Raise ``RuntimeError`` if multi-token prediction is enabled but the
     model has not declared context-parallel support
     (``model.supports.supports_mtp_cp``): MTP heads shift the sequence, which
-    CP's sequence split would silently corrupt."""
+    CP's sequence split would silently corrupt.
+
+    Args:
+        model: the model; ``model.supports`` is read duck-typed (a model
+            without it has MTP disabled).
+
+    Raises:
+        RuntimeError: MTP is enabled without ``supports_mtp_cp``.
+
+    Example::
+
+        if cp_size > 1:
+            fsdptx.reject_unsupported_mtp_cp(model)
+    """
     require_module(model, "model", "reject_unsupported_mtp_cp")
     if _supports(model, "mtp_enabled") and not _supports(model, "supports_mtp_cp"):
         raise _MTPContextParallelError(
@@ -422,7 +489,22 @@ def reject_unsupported_mtp_cp_pp(model: nn.Module, pp_size: int | None = None) -
     then, when the model is a pipeline stage (``pp_size > 1``, or its legacy
     ``_is_pipeline_parallel_stage()`` hook returns True), ``NotImplementedError``
     without ``supports_mtp_cp_pp``. ``pp_size`` must be ``None`` or an int
-    (``"2"`` would compare as text)."""
+    (``"2"`` would compare as text).
+
+    Args:
+        model: the model or pipeline stage.
+        pp_size: the pipeline-parallel size, if known.
+
+    Raises:
+        TypeError: ``pp_size`` is neither ``None`` nor an int.
+        RuntimeError: MTP with CP is not supported (the CP check).
+        NotImplementedError: MTP with CP and PP is not supported.
+
+    Example::
+
+        if cp_size > 1:
+            fsdptx.reject_unsupported_mtp_cp_pp(model, pp_size=pp_size)
+    """
     if pp_size is not None and (isinstance(pp_size, bool) or not isinstance(pp_size, int)):
         raise TypeError(f"reject_unsupported_mtp_cp_pp: pp_size must be an int or None, got {pp_size!r}")
     reject_unsupported_mtp_cp(model)

@@ -207,6 +207,26 @@ def iter_maximal_uniform_dtype_subtrees(
     dtype instead of storage dtype. Order is registration order; one pass.
     A module registered under two parents can lie inside two yielded
     subtrees that are not nested (neither can be yielded without it).
+
+    Args:
+        module: the root of the walk (yielded itself when uniform).
+        include_buffers: whether buffers count as well as parameters.
+        tensor_pred: which tensors count; all by default.
+        dtype_of: the dtype of a tensor; its storage dtype by default.
+        return_paths: yield ``(fqn, module, dtype)`` (``""`` for the root)
+            instead of ``(module, dtype)``.
+
+    Yields:
+        ``(module, dtype)``, or ``(fqn, module, dtype)`` with
+        ``return_paths=True``, in registration order.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+
+    Example::
+
+        for fqn, sub, dtype in fsdptx.iter_maximal_uniform_dtype_subtrees(block, return_paths=True):
+            print(fqn or "<root>", dtype)
     """
     require_module(module, "module", "iter_maximal_uniform_dtype_subtrees")
     dtype_fn: Callable[[torch.Tensor], torch.dtype] = dtype_of or (lambda t: t.dtype)
@@ -226,6 +246,21 @@ def get_module_from_path(root: nn.Module, path: str) -> nn.Module:
 
     Raises ``AttributeError`` naming the full path and the first unknown
     segment, so a typo in a plan or a model's declared names is obvious.
+
+    Args:
+        root: the module the path starts from.
+        path: a dotted FQN; ``nn.ModuleList`` indices are segments.
+
+    Returns:
+        The submodule.
+
+    Raises:
+        TypeError: ``root`` is not a module or ``path`` not a str.
+        AttributeError: a segment names no submodule.
+
+    Example::
+
+        attn = fsdptx.get_module_from_path(model, "layers.3.attn")
     """
     require_module(root, "root", "get_module_from_path")
     if not isinstance(path, str):
@@ -293,6 +328,21 @@ def iter_unique_named_parameters(
     order and object identity can differ between ranks that built the same
     logical model differently, so the order is (part index, FQN as a plain
     string); a tied parameter appears once, under its smallest FQN.
+
+    Args:
+        model_parts: one module, or the model parts this rank holds (a
+            pipeline stage's chunks), in the same order on every rank.
+
+    Yields:
+        ``(fqn, parameter)``, each distinct parameter once.
+
+    Raises:
+        TypeError: a part is not an ``nn.Module``.
+
+    Example::
+
+        for fqn, p in fsdptx.iter_unique_named_parameters([model]):
+            ...  # the same order on every rank
     """
     yield from _iter_unique_named(model_parts, lambda m: m.named_parameters(remove_duplicate=False))
 
@@ -301,5 +351,19 @@ def iter_unique_named_buffers(
     model_parts: Sequence[nn.Module] | nn.Module,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(fqn, buffer)`` once per distinct buffer, in the same rank-stable
-    order as :func:`iter_unique_named_parameters` (persistent or not)."""
+    order as :func:`iter_unique_named_parameters` (persistent or not).
+
+    Args:
+        model_parts: one module, or the model parts this rank holds.
+
+    Yields:
+        ``(fqn, buffer)``, each distinct buffer once.
+
+    Raises:
+        TypeError: a part is not an ``nn.Module``.
+
+    Example::
+
+        names = [fqn for fqn, _ in fsdptx.iter_unique_named_buffers(model)]
+    """
     yield from _iter_unique_named(model_parts, lambda m: m.named_buffers(remove_duplicate=False))

@@ -23,7 +23,18 @@ from ._walk import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
 __all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_blocks"]
 
 class PlanningError(ValueError):
-    """A request cannot be planned for this model; raised before any mutation."""
+    """A request cannot be planned for this model; raised before any mutation.
+
+    A ``ValueError``, so callers that catch bad arguments catch it too; the
+    message names the modules or globs concerned and says what to change.
+
+    Example::
+
+        try:
+            fsdptx.plan(model, functools.partial(fsdptx.shard_by_dtype, blocks=["layer.*"]))
+        except fsdptx.PlanningError as e:
+            print(e)  # names the glob that matched nothing
+    """
 
 
 def unwrap_checkpoint(module: nn.Module) -> nn.Module:

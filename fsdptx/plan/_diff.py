@@ -26,7 +26,16 @@ class PlanDiff:
     """The differences between two plans, one readable line each.
 
     Falsy and empty (``str`` is ``""``) exactly when the plans are equal;
-    ``str`` joins the lines for a review comment or a test failure."""
+    ``str`` joins the lines for a review comment or a test failure.
+
+    Attributes:
+        lines: one line per change, block indices collapsed.
+
+    Example::
+
+        d = fsdptx.diff_plans(before, after)
+        assert not d or str(d).splitlines() == list(d.lines)
+    """
 
     lines: tuple[str, ...] = ()
 

@@ -43,6 +43,13 @@ class Transform(Protocol):
     The sharding transforms resolve ``Plan.units`` from the requests recorded
     in the Plan, replacing whatever units it held: a transform of your own that
     edits units should run after them.
+
+    Example::
+
+        def no_reshard(model: nn.Module, plan: fsdptx.Plan, /) -> fsdptx.Plan:
+            return plan.replace(units=tuple(dataclasses.replace(u, reshard_after_forward=False) for u in plan.units))
+
+        p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, no_reshard))
     """
 
     def __call__(self, model: nn.Module, plan: Plan, /) -> Plan: ...
@@ -79,6 +86,22 @@ def compose(*transforms: Transform) -> Transform:
     is the one applying them one by one gives; only an intermediate state
     that cannot be planned on its own (say, blocks whose fp32 holders are
     isolable only once a cross-block unit owns them) is never resolved.
+
+    Args:
+        *transforms: transforms, applied left to right.
+
+    Returns:
+        One transform; a Plan that went through it never depends on the
+        order of the sharding transforms among ``transforms``.
+
+    Raises:
+        TypeError: a transform is not callable (here), or one returns
+            something other than a Plan (when the pipeline runs).
+
+    Example::
+
+        pipeline = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
+        p = fsdptx.plan(model, pipeline)
     """
 
     for i, t in enumerate(transforms):
@@ -122,6 +145,29 @@ def plan(
 
     ``mp_policy=None`` means mixed precision disabled. Pure: the model is only
     read, so this is safe on a meta-device skeleton or a live model alike.
+
+    Args:
+        model: the model to plan for; only read (a meta-device model works).
+        transform: a transform, usually a :func:`compose` pipeline.
+        mp_policy: the default policy units start from.
+        offload_policy: the default offload policy of every unit.
+        reshard_after_forward: the default reshard setting (``None``:
+            FSDP2's default, refined by :func:`reshard_policy`).
+
+    Returns:
+        The Plan, with what planning vouched for, so ``apply_plan`` on the
+        unchanged model skips re-deriving each unit's claims.
+
+    Raises:
+        TypeError: an argument has the wrong type, or the transform returns
+            something other than a Plan.
+        PlanningError: the request cannot be planned for this model (nothing
+            about the model is changed).
+
+    Example::
+
+        p = fsdptx.plan(model, fsdptx.shard_by_dtype, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        print(p)
     """
     require_module(model, "model", "plan")
     if not callable(transform):
@@ -316,6 +362,33 @@ def shard_by_dtype(
     falls back to the Plan's default. ``expert_modules`` (globs; default
     ``_fsdptx_expert_modules``) are planned first, each on the MoE mesh, and
     excluded from TP-replica sync.
+
+    Args:
+        model: the model, only read.
+        plan: the Plan so far (positional only: the transform protocol).
+        blocks: class names, FQNs or globs of the blocks; discovered when
+            ``None``.
+        fp32_compute_module_names: name tokens that compute in fp32 (a
+            bare string is one token); from the model when ``None``.
+        ignored_params: parameter FQNs no unit may own.
+        reshard_after_forward: every unit's reshard setting; the Plan's
+            default when ``None``.
+        expert_modules: globs of expert modules (one dotted segment per
+            ``*``); from the model when ``None``.
+
+    Returns:
+        A new Plan with the dtype request recorded and the units resolved.
+
+    Raises:
+        PlanningError: the plan already holds a dtype request, a module is
+            already ``fully_shard``-ed, blocks overlap, a glob matches nothing,
+            or parameters that mix dtypes sit directly on one module.
+        TypeError: a name argument holds something other than strings.
+
+    Example::
+
+        by_dtype = functools.partial(fsdptx.shard_by_dtype, fp32_compute_module_names=["sinks"])
+        p = fsdptx.plan(model, by_dtype, mp_policy=policy)
     """
     index = model_index(model, plan)
     requested = _request_dtype(
@@ -371,6 +444,28 @@ def shard_across_blocks(
     Defaults: ``blocks`` as in :func:`shard_by_dtype`, ``module_names`` from the
     model's ``_fsdp_shard_across_blocks``. A model that declares no names gets
     the Plan back unchanged, so the transform is safe in a generic pipeline.
+
+    Args:
+        model: the model, only read.
+        plan: the Plan so far (positional only: the transform protocol).
+        blocks: class names, FQNs or globs of the blocks; discovered when
+            ``None``.
+        module_names: block-relative names of the fp32 holders (``"sinks"``,
+            or ``"self_attn"`` for the sinks it owns directly); a bare string
+            is one name; from ``_fsdp_shard_across_blocks`` when ``None``.
+
+    Returns:
+        A new Plan with one cross-block unit per name (the same Plan when no
+        names are given or declared).
+
+    Raises:
+        PlanningError: no blocks were found, a name is in no block, or a
+            module is already ``fully_shard``-ed.
+
+    Example::
+
+        holders = functools.partial(fsdptx.shard_across_blocks, module_names=["attn.sinks"])
+        p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, holders))
     """
     index = model_index(model, plan)
     requested = _request_cross_blocks(model, plan, index, blocks=blocks, module_names=module_names)
@@ -432,6 +527,28 @@ def mark_reduction(
     implies. A glob that
     matches nothing is an error: it is almost always a typo that would
     otherwise silently leave gradients unsynchronized.
+
+    Args:
+        model: the model, only read.
+        plan: the Plan so far (positional only: the transform protocol).
+        reductions: module-FQN glob -> ``"mean"`` or ``"sum"``; from the model
+            when ``None``.
+        exclude: module-FQN globs of subtrees kept out of TP-replica sync (a
+            bare string is one glob); from the model when ``None``.
+
+    Returns:
+        A new Plan with the marks and exclusions recorded.
+
+    Raises:
+        TypeError: ``reductions`` is not a mapping.
+        ValueError: a reduction is neither ``"mean"`` nor ``"sum"``.
+        PlanningError: a glob matches no module (or no module owning a
+            parameter), or one parameter gets both reductions.
+
+    Example::
+
+        marks = functools.partial(fsdptx.mark_reduction, reductions={"layers.*.router": "sum"})
+        p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, marks))
     """
     require_module(model, "model", "mark_reduction")
     if reductions is not None and not isinstance(reductions, Mapping):

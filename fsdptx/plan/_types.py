@@ -66,6 +66,29 @@ class Unit:
     spans modules (one ``fully_shard([...])`` call, one parameter group).
     ``params`` are the parameter FQNs the unit will own: exactly what the
     primitive claims given ``ignored_params`` and the units applied before it.
+
+    Attributes:
+        modules: the module FQNs the unit spans (``""`` is the root).
+        params: the parameter FQNs it owns.
+        ignored_params: parameter FQNs under it that another unit owns.
+        kind: ``"cross-block"``, ``"dtype"``, ``"block"``, ``"expert"`` or
+            ``"root"``.
+        storage_dtype: the dtype its trainable parameters are stored in.
+        compute_dtype: the dtype they compute in (the policy's
+            ``param_dtype``).
+        mp_policy: the unit's policy; ``None`` means disabled.
+        offload_policy: the unit's offload policy.
+        reshard_after_forward: ``None`` (FSDP2's default), a bool, or a group
+            size.
+        numel: elements owned.
+        nbytes: bytes owned, at the storage dtype.
+        mesh: ``"dp"`` or ``"moe"`` (expert units).
+        reasons: why the planner chose what the policy alone would not say.
+
+    Example::
+
+        unit = p.units[0]
+        print(unit.kind, unit.modules, unit.compute_dtype)
     """
 
     modules: tuple[str, ...]
@@ -119,7 +142,18 @@ class TPAssignment:
     request to a concrete module FQN. ``style`` is the readable name the Plan
     shows and compares; ``parallel_style`` is the torch object handed to
     ``parallelize_module`` (torch styles define no equality, so it is not
-    part of the Plan's value)."""
+    part of the Plan's value).
+
+    Attributes:
+        module: the module FQN the style applies to.
+        style: the style's readable name (compared and printed).
+        pattern: the request's glob that matched ``module``.
+        parallel_style: the torch ``ParallelStyle`` object applied.
+
+    Example::
+
+        styles = {a.module: a.style for a in p.tensor_parallel.assignments}
+    """
 
     module: str
     style: str
@@ -150,7 +184,21 @@ class TensorParallel:
     Face's ``replicated_with_grad_allreduce``, which becomes a TP-replica
     reduction mark instead. ``stream`` is the residual stream's layout at
     each module, in forward order; ``loss_parallel`` whether the head keeps
-    its logits vocabulary-sharded."""
+    its logits vocabulary-sharded.
+
+    Attributes:
+        assignments: one per module, in FQN order.
+        sequence_parallel: whether the residual stream is sequence-sharded.
+        skipped: ``(pattern, style, why)`` of declared entries not applied
+            as a torch style.
+        loss_parallel: whether the head keeps its logits vocabulary-sharded.
+        stream: the residual stream's layout at each module, forward order.
+
+    Example::
+
+        tp = fsdptx.plan(model, functools.partial(fsdptx.tensor_parallel, sequence_parallel=True)).tensor_parallel
+        assert tp is not None and tp.sequence_parallel
+    """
 
     assignments: tuple[TPAssignment, ...]
     sequence_parallel: bool
@@ -161,7 +209,17 @@ class TensorParallel:
 
 @dataclass(frozen=True)
 class Checkpointing:
-    """Activation checkpointing requested for ``modules`` (the blocks)."""
+    """Activation checkpointing requested for ``modules`` (the blocks).
+
+    Attributes:
+        mode: ``"full"`` or ``"selective"``.
+        modules: the block FQNs checkpointed.
+
+    Example::
+
+        if p.checkpointing is not None:
+            print(p.checkpointing.mode, len(p.checkpointing.modules))
+    """
 
     mode: CheckpointMode
     modules: tuple[str, ...]
@@ -170,7 +228,17 @@ class Checkpointing:
 @dataclass(frozen=True)
 class Prefetch:
     """Explicit FSDP prefetch chain of one unit (named by its first module):
-    which units it all-gathers ahead of time in forward and in backward."""
+    which units it all-gathers ahead of time in forward and in backward.
+
+    Attributes:
+        unit: the first module of the unit that prefetches.
+        forward: the units (by first module) it all-gathers ahead in forward.
+        backward: the units it all-gathers ahead in backward.
+
+    Example::
+
+        chains = {c.unit: c.forward for c in p.prefetch}
+    """
 
     unit: str
     forward: tuple[str, ...]
@@ -239,7 +307,33 @@ class Plan:
     TP-replica gradient reduction; ``exclusions`` are module FQNs whose subtree
     stays rank-local. ``mp_policy``/``offload_policy``/``reshard_after_forward``
     are the defaults transforms start from (``None`` policy: mixed precision
-    disabled)."""
+    disabled).
+
+    Attributes:
+        units: the FSDP units, in application order.
+        reductions: parameter FQN -> ``"mean"`` or ``"sum"``.
+        exclusions: module FQNs kept out of TP-replica sync.
+        mp_policy: the default policy transforms start from.
+        offload_policy: the default offload policy.
+        reshard_after_forward: the default reshard setting.
+        dtype_request: what ``shard_by_dtype`` asked for, if anything.
+        cross_block_requests: what ``shard_across_blocks`` asked for.
+        tensor_parallel: the TP request, resolved per module.
+        checkpointing: the activation-checkpointing request.
+        prefetch: the explicit prefetch chains.
+        reduce_unused_params: whether units reduce-scatter zeros for unused
+            parameters.
+        expert_modules: module FQNs of experts, sharded over the MoE mesh.
+        warnings: what a reader must know before trusting the plan.
+        scratch: planning's model index; ``None`` outside ``plan()``.
+        verified: what planning vouched for; not part of the value.
+
+    Example::
+
+        p = fsdptx.plan(model, fsdptx.shard_by_dtype)
+        print(p)  # one row per unit
+        assert p == fsdptx.plan_from_json(fsdptx.plan_to_json(p))
+    """
 
     units: tuple[Unit, ...] = ()
     reductions: Mapping[str, Reduction] = field(default_factory=FrozenReductions)

@@ -77,6 +77,24 @@ def tensor_parallel(
     vocabulary-sharded (compute the loss under :func:`fsdptx.loss_parallel`).
     ``blocks`` as in :func:`fsdptx.shard_by_dtype`.
 
+    Args:
+        model: the model, only read.
+        current: the Plan so far (positional only: the transform protocol).
+        plan: module glob -> style name or torch ``ParallelStyle``; the
+            model's declared plan when ``None``.
+        sequence_parallel: run the blocks on the sequence shard.
+        loss_parallel: keep the head's logits vocabulary-sharded.
+        blocks: class names, FQNs or globs of the blocks; discovered when
+            ``None``.
+
+    Returns:
+        A new Plan recording one style per module and the stream's layout.
+
+    Raises:
+        TypeError: a key is not a str or a value not a style.
+        PlanningError: a glob matches no module, a module is matched twice,
+            a style name is unknown, or the layouts disagree.
+
     Example::
 
         sp = functools.partial(fsdptx.tensor_parallel, sequence_parallel=True)
