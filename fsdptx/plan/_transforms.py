@@ -11,8 +11,8 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from collections.abc import Collection, Mapping
-from typing import Protocol
+from collections.abc import Callable, Collection, Mapping
+from typing import Concatenate, ParamSpec, Protocol
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -35,6 +35,8 @@ __all__ = [
     "shard_across_blocks",
     "shard_by_dtype",
 ]
+
+_P = ParamSpec("_P")
 
 
 class Transform(Protocol):
@@ -119,7 +121,7 @@ def compose(*transforms: Transform) -> Transform:
             request = _request_of(t)
             if request is not None:
                 fn, options = request
-                p = fn(model, p, model_index(model, p), **options)
+                p = fn(model, p, **options)
                 pending = True
                 continue
             if pending and not _reads_no_units(t):
@@ -221,6 +223,31 @@ def _on_moe_mesh(unit: Unit, experts: tuple[str, ...]) -> Unit:
     return dataclasses.replace(unit, mesh="moe", kind=kind)
 
 
+def sharding_transform(
+    request: Callable[Concatenate[nn.Module, Plan, _P], Plan],
+) -> Callable[Concatenate[nn.Module, Plan, _P], Plan]:
+    """Make the transform from its request function, so each sharding
+    transform's signature and docs are written once, on the request.
+
+    The request ``(model, plan, /, **options) -> Plan`` records what to
+    shard and resolves nothing; it is what ``compose`` runs for a fused run
+    of sharding transforms (declared with :func:`request_transform`), which
+    then resolves the units once. Called on its own, the transform records
+    the request and resolves the units at once, with one model walk shared
+    by both (a request that changes nothing returns the Plan as it was)."""
+
+    @functools.wraps(request)
+    def transform(model: nn.Module, plan: Plan, /, *args: _P.args, **kwargs: _P.kwargs) -> Plan:
+        index = model_index(model, plan)
+        scoped = plan if plan.scratch is index else plan.replace(scratch=index)
+        requested = request(model, scoped, *args, **kwargs)
+        if requested is scoped:
+            return plan
+        return _resolve(model, requested, index).replace(scratch=plan.scratch)
+
+    return request_transform(request)(transform)
+
+
 def check_reshard(value: object, where: str) -> bool | int | None:
     """``reshard_after_forward`` must be None, a bool, or a world size >= 1;
     caught here so a typo fails at planning, not inside the primitive after
@@ -251,10 +278,11 @@ def block_fqns(blocks: Names | None, index: ModelIndex, where: str) -> tuple[str
     return targets
 
 
-def _request_dtype(
+@sharding_transform
+def shard_by_dtype(
     model: nn.Module,
     plan: Plan,
-    index: ModelIndex,
+    /,
     *,
     blocks: Names | None = None,
     fp32_compute_module_names: Names | None = None,
@@ -262,6 +290,50 @@ def _request_dtype(
     reshard_after_forward: bool | int | None = None,
     expert_modules: Names | None = None,
 ) -> Plan:
+    """Plan dtype-uniform FSDP units for every block, then the root.
+
+    The root comes last and owns what no block unit owns (embeddings, final
+    norm, head), so after apply every parameter belongs to exactly one unit.
+    Each target follows the 1 / 2 / 3+ (storage, compute) group rule of
+    :func:`fsdptx.fully_shard_by_dtype`.
+
+    Defaults come from the model: ``blocks`` from ``_no_split_modules`` (or the
+    largest ``nn.ModuleList``), pinned fp32 name tokens from
+    ``_keep_in_fp32_modules_strict`` (and, when the policy computes in fp16,
+    ``_keep_in_fp32_modules``: Hugging Face's rule). ``ignored_params`` are parameter FQNs no
+    unit may own (another parallelism owns them). ``reshard_after_forward``
+    falls back to the Plan's default. ``expert_modules`` (globs; default
+    ``_fsdptx_expert_modules``) are planned first, each on the MoE mesh, and
+    excluded from TP-replica sync.
+
+    Args:
+        model: the model, only read.
+        plan: the Plan so far (positional only: the transform protocol).
+        blocks: class names, FQNs or globs of the blocks; discovered when
+            ``None``.
+        fp32_compute_module_names: name tokens that compute in fp32 (a
+            bare string is one token); from the model when ``None``.
+        ignored_params: parameter FQNs no unit may own.
+        reshard_after_forward: every unit's reshard setting; the Plan's
+            default when ``None``.
+        expert_modules: globs of expert modules (one dotted segment per
+            ``*``); from the model when ``None``.
+
+    Returns:
+        A new Plan with the dtype request recorded and the units resolved.
+
+    Raises:
+        PlanningError: the plan already holds a dtype request, a module is
+            already ``fully_shard``-ed, blocks overlap, a glob matches nothing,
+            or parameters that mix dtypes sit directly on one module.
+        TypeError: a name argument holds something other than strings.
+
+    Example::
+
+        by_dtype = functools.partial(fsdptx.shard_by_dtype, fp32_compute_module_names=["sinks"])
+        p = fsdptx.plan(model, by_dtype, mp_policy=policy)
+    """
+    index = model_index(model, plan)
     _refuse_presharded(index, "shard_by_dtype")
     if plan.dtype_request is not None:
         raise PlanningError(
@@ -335,102 +407,7 @@ def _experts(model: nn.Module, index: ModelIndex, globs: Names | None) -> tuple[
     return tuple(sorted(found, key=natural_key))
 
 
-@request_transform(_request_dtype)
-def shard_by_dtype(
-    model: nn.Module,
-    plan: Plan,
-    /,
-    *,
-    blocks: Names | None = None,
-    fp32_compute_module_names: Names | None = None,
-    ignored_params: Names = (),
-    reshard_after_forward: bool | int | None = None,
-    expert_modules: Names | None = None,
-) -> Plan:
-    """Plan dtype-uniform FSDP units for every block, then the root.
-
-    The root comes last and owns what no block unit owns (embeddings, final
-    norm, head), so after apply every parameter belongs to exactly one unit.
-    Each target follows the 1 / 2 / 3+ (storage, compute) group rule of
-    :func:`fsdptx.fully_shard_by_dtype`.
-
-    Defaults come from the model: ``blocks`` from ``_no_split_modules`` (or the
-    largest ``nn.ModuleList``), pinned fp32 name tokens from
-    ``_keep_in_fp32_modules_strict`` (and, when the policy computes in fp16,
-    ``_keep_in_fp32_modules``: Hugging Face's rule). ``ignored_params`` are parameter FQNs no
-    unit may own (another parallelism owns them). ``reshard_after_forward``
-    falls back to the Plan's default. ``expert_modules`` (globs; default
-    ``_fsdptx_expert_modules``) are planned first, each on the MoE mesh, and
-    excluded from TP-replica sync.
-
-    Args:
-        model: the model, only read.
-        plan: the Plan so far (positional only: the transform protocol).
-        blocks: class names, FQNs or globs of the blocks; discovered when
-            ``None``.
-        fp32_compute_module_names: name tokens that compute in fp32 (a
-            bare string is one token); from the model when ``None``.
-        ignored_params: parameter FQNs no unit may own.
-        reshard_after_forward: every unit's reshard setting; the Plan's
-            default when ``None``.
-        expert_modules: globs of expert modules (one dotted segment per
-            ``*``); from the model when ``None``.
-
-    Returns:
-        A new Plan with the dtype request recorded and the units resolved.
-
-    Raises:
-        PlanningError: the plan already holds a dtype request, a module is
-            already ``fully_shard``-ed, blocks overlap, a glob matches nothing,
-            or parameters that mix dtypes sit directly on one module.
-        TypeError: a name argument holds something other than strings.
-
-    Example::
-
-        by_dtype = functools.partial(fsdptx.shard_by_dtype, fp32_compute_module_names=["sinks"])
-        p = fsdptx.plan(model, by_dtype, mp_policy=policy)
-    """
-    index = model_index(model, plan)
-    requested = _request_dtype(
-        model,
-        plan,
-        index,
-        blocks=blocks,
-        fp32_compute_module_names=fp32_compute_module_names,
-        ignored_params=ignored_params,
-        reshard_after_forward=reshard_after_forward,
-        expert_modules=expert_modules,
-    )
-    return _resolve(model, requested, index)
-
-
-def _request_cross_blocks(
-    model: nn.Module,
-    plan: Plan,
-    index: ModelIndex,
-    *,
-    blocks: Names | None = None,
-    module_names: Names | None = None,
-) -> Plan:
-    names = (
-        name_tokens(module_names, "module_names", "shard_across_blocks")
-        if module_names is not None
-        else name_tokens(getattr(model, "_fsdp_shard_across_blocks", None), "_fsdp_shard_across_blocks")
-    )
-    if not names:
-        return plan
-    _refuse_presharded(index, "shard_across_blocks")
-    targets = block_fqns(blocks, index, "shard_across_blocks")
-    if not targets:
-        raise PlanningError(
-            f"shard_across_blocks: found no blocks in {type(model).__name__} for {list(names)}; "
-            "declare _no_split_modules or pass blocks="
-        )
-    request = CrossBlockRequest(blocks=targets, names=names)
-    return plan.replace(cross_block_requests=plan.cross_block_requests + (request,))
-
-
-@request_transform(_request_cross_blocks)
+@sharding_transform
 def shard_across_blocks(
     model: nn.Module,
     plan: Plan,
@@ -467,9 +444,23 @@ def shard_across_blocks(
         holders = functools.partial(fsdptx.shard_across_blocks, module_names=["attn.sinks"])
         p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, holders))
     """
+    names = (
+        name_tokens(module_names, "module_names", "shard_across_blocks")
+        if module_names is not None
+        else name_tokens(getattr(model, "_fsdp_shard_across_blocks", None), "_fsdp_shard_across_blocks")
+    )
+    if not names:
+        return plan
     index = model_index(model, plan)
-    requested = _request_cross_blocks(model, plan, index, blocks=blocks, module_names=module_names)
-    return plan if requested is plan else _resolve(model, requested, index)
+    _refuse_presharded(index, "shard_across_blocks")
+    targets = block_fqns(blocks, index, "shard_across_blocks")
+    if not targets:
+        raise PlanningError(
+            f"shard_across_blocks: found no blocks in {type(model).__name__} for {list(names)}; "
+            "declare _no_split_modules or pass blocks="
+        )
+    request = CrossBlockRequest(blocks=targets, names=names)
+    return plan.replace(cross_block_requests=plan.cross_block_requests + (request,))
 
 
 
