@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, c
 
 from ..core._args import require_module
 from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions
+from ..core._names import join_names
 from ..core._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
 from ..model._index import ModelIndex
 from ..model._unit_checks import module_problems
@@ -200,18 +201,18 @@ def _claim_problems(
             detail.append(f"would also claim {extra}")
         if lacking:
             detail.append(f"would not reach {lacking}")
-        problems.append(f"unit {i} ({', '.join(unit.modules) or '<root>'}): " + "; ".join(detail))
+        problems.append(f"unit {i} ({join_names(unit.modules)}): " + "; ".join(detail))
     trainable = {f: p.dtype for f, p in claimed if p.requires_grad}
     now = set(trainable.values())
     if unit.storage_dtype is not None and len(now) == 1 and now != {unit.storage_dtype}:
         problems.append(
-            f"unit {i} ({', '.join(unit.modules) or '<root>'}) was planned for {str(unit.storage_dtype).removeprefix('torch.')} "
+            f"unit {i} ({join_names(unit.modules)}) was planned for {str(unit.storage_dtype).removeprefix('torch.')} "
             f"storage, but its parameters are {str(now.pop()).removeprefix('torch.')} now (the model was cast after planning)"
         )
     elif len(now) > 1:
         listed = ", ".join(f"{f}: {str(d).removeprefix('torch.')}" for f, d in trainable.items())
         problems.append(
-            f"unit {i} ({', '.join(unit.modules) or '<root>'}) mixes storage dtypes ({listed}); "
+            f"unit {i} ({join_names(unit.modules)}) mixes storage dtypes ({listed}); "
             "FSDP2 needs one storage dtype per unit"
         )
     scalars = [f for f, p in claimed if p.dim() == 0]
@@ -262,7 +263,7 @@ def _check_against_mesh(plan: Plan, model: nn.Module, mesh: object, moe_mesh: De
             problems.append(str(e))
     sized = [(i, u) for i, u in enumerate(plan.units) if type(u.reshard_after_forward) is int]
     problems.extend(
-        f"unit {i} ({', '.join(u.modules) or '<root>'}): reshard_after_forward={u.reshard_after_forward} "
+        f"unit {i} ({join_names(u.modules)}): reshard_after_forward={u.reshard_after_forward} "
         f"does not divide the shard dimension of the mesh ({dims.dp_shard})"
         for i, u in sized
         if dims.dp_shard % u.reshard_after_forward  # type: ignore[operator]

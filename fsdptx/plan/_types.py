@@ -16,7 +16,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..core._names import collapse_keyed, index_runs, join_names
+from ..core._names import ROOT, collapse_keyed, index_runs, join_names
 from ..core._sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -538,7 +538,7 @@ def _format_requests(plan: Plan) -> list[str]:
         bwd = max(len(p.backward) for p in plan.prefetch)
         lines.append(
             f"explicit prefetch: {len(plan.prefetch)} units, forward depth {fwd}, backward depth {bwd} "
-            f"(e.g. {plan.prefetch[0].unit or '<root>'} -> {', '.join(plan.prefetch[0].forward) or '-'})"
+            f"(e.g. {plan.prefetch[0].unit or ROOT} -> {', '.join(plan.prefetch[0].forward) or '-'})"
         )
     if plan.reduce_unused_params:
         lines.append("unused parameters: every unit reduce-scatters zeros for them (context parallelism)")
