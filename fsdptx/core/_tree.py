@@ -6,7 +6,7 @@ Everything here is pure: it reads ``nn.Module`` structure and never mutates it.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
 from torch import nn
@@ -105,12 +105,15 @@ def _merge(acc: object, key: object) -> object:
     return acc if acc == key else _MIXED
 
 
+_Key = TypeVar("_Key", bound=Hashable)
+
+
 def maximal_uniform_subtrees(
     root: nn.Module,
-    key_of: Callable[[nn.Module], Iterable[Hashable]],
+    key_of: Callable[[nn.Module], Iterable[_Key]],
     prefix: str = "",
     stop: Collection[int] = (),
-) -> Iterator[tuple[str, nn.Module, Hashable]]:
+) -> Iterator[tuple[str, nn.Module, _Key]]:
     """Yield maximal ``(fqn, module, key)`` whose subtree carries exactly one key.
 
     The generic engine behind :func:`iter_maximal_uniform_dtype_subtrees` and
@@ -124,7 +127,7 @@ def maximal_uniform_subtrees(
     module is a strict descendant of another.
     """
     state, shared = subtree_keys(root, key_of, stop)
-    candidates: list[tuple[str, nn.Module, Hashable]] = []
+    candidates: list[tuple[str, nn.Module, _Key]] = []
     stack: list[tuple[str, nn.Module]] = [(prefix, root)]
     seen: set[int] = set()
     while stack:
@@ -136,7 +139,9 @@ def maximal_uniform_subtrees(
         if s is _EMPTY:
             continue
         if s is not _MIXED:
-            candidates.append((fqn, module, s))
+            # Neither sentinel: one of key_of's keys (the state table is
+            # typed object only because it also holds the sentinels).
+            candidates.append((fqn, module, cast(_Key, s)))
             continue
         children = [(join_fqn(fqn, n), c) for n, c in module._modules.items() if c is not None]
         stack.extend(reversed(children))
@@ -231,13 +236,12 @@ def iter_maximal_uniform_dtype_subtrees(
     require_module(module, "module", "iter_maximal_uniform_dtype_subtrees")
     dtype_fn: Callable[[torch.Tensor], torch.dtype] = dtype_of or (lambda t: t.dtype)
 
-    def key_of(m: nn.Module) -> Iterator[Hashable]:
+    def key_of(m: nn.Module) -> Iterator[torch.dtype]:
         for t in _direct_tensors(m, include_buffers):
             if tensor_pred is None or tensor_pred(t):
                 yield dtype_fn(t)
 
-    for fqn, sub, key in maximal_uniform_subtrees(module, key_of):
-        dtype: torch.dtype = key  # type: ignore[assignment]
+    for fqn, sub, dtype in maximal_uniform_subtrees(module, key_of):
         yield (fqn, sub, dtype) if return_paths else (sub, dtype)
 
 
