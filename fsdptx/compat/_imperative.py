@@ -285,6 +285,7 @@ def _parameters(items: Iterable[object]) -> list[nn.Parameter]:
             "wrap it in a set"
         )
     listed = list(items)
+    params = [p for p in listed if isinstance(p, nn.Parameter)]
     bad = [p for p in listed if not isinstance(p, nn.Parameter)]
     if bad:
         shown = ", ".join(repr(p) if isinstance(p, str) else type(p).__name__ for p in bad[:5])
@@ -293,7 +294,7 @@ def _parameters(items: Iterable[object]) -> list[nn.Parameter]:
             + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
             + "; pass module.get_parameter(name) for a name"
         )
-    return listed  # type: ignore[return-value]
+    return params
 
 
 class ParameterSet(set[nn.Parameter]):
