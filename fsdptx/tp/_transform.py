@@ -9,13 +9,14 @@ and by the manager's dry run before anything is mutated.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from ..core._globs import segment_match
+from ..core._names import Names
 from ..model._index import ModelIndex, PlanningError
 from ..plan._kinds import unit_blind
 from ..plan._transforms import block_fqns, model_index
@@ -49,7 +50,7 @@ def tensor_parallel(
     plan: Mapping[str, StyleSpec] | None = None,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
-    blocks: Sequence[str] | None = None,
+    blocks: Names | None = None,
 ) -> Plan:
     """Record which module gets which tensor-parallel style.
 
