@@ -29,6 +29,7 @@ from torch import nn
 
 import fsdptx
 from fsdptx.cli._main import main
+from fsdptx.core._sizes import format_bytes
 from fsdptx.presets import build_preset
 from fsdptx.testing import fake_mesh
 
@@ -134,8 +135,8 @@ def timing() -> list[str]:
         "| run | seconds | target | result |",
         "|---|---:|---:|---|",
         f"| 80-layer HF Llama (70B shapes) dry run, dp=8, batch 1 x seq 4096 | {dry:.1f} | 60 | "
-        f"peak {memory['peak_bytes'] / 2**30:.2f} GiB ({memory['peak_at']}), activations "
-        f"{memory['activations_bytes'] / 2**30:.2f} GiB |",
+        f"peak {format_bytes(memory['peak_bytes'])} ({memory['peak_at']}), activations "
+        f"{format_bytes(memory['activations_bytes'])} |",
         f"| --fit 64x80GiB, same model ({result['evaluated']} configurations) | {search:.1f} | 300 | "
         f"{len(result['fitting'])} fit; best: {' '.join(best['argv']) if best else '-'} |",
     ]

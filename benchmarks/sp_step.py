@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptx
+from fsdptx.core._sizes import format_bytes
 from fsdptx.presets import Decoder, DecoderConfig, Titan, TitanConfig
 from fsdptx.testing import record_collectives, run_distributed
 
@@ -129,7 +130,7 @@ def main() -> None:
         for op in sorted(set(ours["tp_count"]) | set(base["tp_count"])):
             print(
                 f"  TP {op}: {ours['tp_count'][op]} vs {base['tp_count'][op]} per step, "
-                f"{ours['tp_bytes'][op] / 2**20:.3f} vs {base['tp_bytes'][op] / 2**20:.3f} MiB"
+                f"{format_bytes(ours['tp_bytes'][op])} vs {format_bytes(base['tp_bytes'][op])}"
             )
         print(f"  largest TP all-reduce: {ours['all_reduce_max']} B vs {base['all_reduce_max']} B")
         print(f"  peak RSS per rank: fsdptx {ours['peak_rss_mib']:.0f} MiB, torchtitan {base['peak_rss_mib']:.0f} MiB; ratio {_spread(rss)}")

@@ -57,6 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 import fsdptx
+from fsdptx.core._sizes import format_bytes
 from fsdptx.testing import record_collectives, run_distributed
 
 from _timing import seconds  # benchmarks/ is on sys.path when run as a script
@@ -352,10 +353,6 @@ def peak_extra_cpu_bytes(fn: Callable[[], object]) -> int:
 # --------------------------------------------------------------------------- worker
 
 
-def fmt_bytes(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
 def worker(rank: int, world_size: int, runs: int, blocks: int, warmup: int, repeats: int) -> None:
     """One rank (the gloo group is set up by ``run_distributed``, one process
     per rank): build the model, time the methods, measure memory; rank 0
@@ -459,7 +456,7 @@ def report(
         f"TP-replica gradient sync, gloo, {WORLD_SIZE} ranks (1 TP group), torch {torch.__version__}\n"
         f"model: {blocks} blocks x 2 norms ({NORM_DIM}, fp32 + bf16) + final norm + "
         f"{ROUTERS} sum-marked routers {ROUTER_SHAPE}: {n_params} grads, {numel:,} elements "
-        f"({fmt_bytes(numel * 4)} as fp32); {synced} synchronized; "
+        f"({format_bytes(numel * 4)} as fp32); {synced} synchronized; "
         f"results equal to baseline: {same}\n"
         f"{len(rounds)} rounds of {runs} interleaved runs after {warmup} warm-up (slowest rank per timing); "
         f"host load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
@@ -505,16 +502,16 @@ def report(
     print(
         f"\nPeak extra CPU memory of synchronize_tp_replica_gradients (torch allocator, "
         f"profiler memory events; gloo's internal buffers not included), same set plus one "
-        f"{BIG_NUMEL:,}-element fp32 tensor ({fmt_bytes(mem_total)} of grads as fp32):\n"
+        f"{BIG_NUMEL:,}-element fp32 tensor ({format_bytes(mem_total)} of grads as fp32):\n"
     )
     print("| max_bytes | peak extra memory | target |")
     print("|---:|---:|---|")
     print(
-        f"| {fmt_bytes(MEMORY_BUDGET)} | {fmt_bytes(peaks['budget'])} ({peaks['budget']:,} B) | "
-        f"<= {fmt_bytes(MEMORY_BUDGET)} ({MEMORY_BUDGET:,} B) |"
+        f"| {format_bytes(MEMORY_BUDGET)} | {format_bytes(peaks['budget'])} ({peaks['budget']:,} B) | "
+        f"<= {format_bytes(MEMORY_BUDGET)} ({MEMORY_BUDGET:,} B) |"
     )
     print(
-        f"| {fmt_bytes(fsdptx.DEFAULT_MAX_BUFFER_BYTES)} (default) | {fmt_bytes(peaks['default'])} "
+        f"| {format_bytes(fsdptx.DEFAULT_MAX_BUFFER_BYTES)} (default) | {format_bytes(peaks['default'])} "
         f"({peaks['default']:,} B) | (contrast: one buffer for everything) |"
     )
     sys.stdout.flush()

@@ -11,16 +11,6 @@ Plan purely, apply once::
     fsdptx.synchronize_tp_replica_gradients([model], mesh)   # once per optimizer step
 """
 
-import warnings
-
-# torch warns "Failed to initialize NumPy" on import when numpy is missing;
-# fsdptx depends on torch alone and never needs numpy, so that warning is
-# only noise (it would be the first line of every `python -m fsdptx plan`).
-# Scoped to this import: no filter stays installed.
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    import torch  # noqa: F401
-
 # The contract: every public name, grouped by layer (see docs/architecture.md).
 # Sorted within each section.
 
@@ -51,7 +41,7 @@ from .plan._transforms import (
     shard_across_blocks,
     shard_by_dtype,
 )
-from .plan._types import Checkpointing, Plan, Prefetch, Reduction, TensorParallel, TPAssignment, Unit
+from .plan._types import Checkpointing, Plan, Prefetch, Reduction, TPAssignment, TensorParallel, Unit
 
 # tp: tensor/sequence parallelism, TP-replica marks, sync and audit
 from .tp import loss_parallel, tensor_parallel

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from .apply._apply import apply_indexed
 from .compat._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
 from .core._args import require_module
+from .core._names import name_tokens
 from .core._meshes import ParallelDims, moe_dp_dims, parallel_dims, tp_mesh
 from .core._policy import check_policy_dtypes
 from .hf._patches import patch_is_packed_sequence
@@ -180,6 +181,36 @@ class FSDP2Config:
     modelled on do not define them, so there is no behaviour to match;
     ``activation_checkpointing`` covers the blocks, and ``mp_policy`` is
     the one place compute dtypes are set (no autocast).
+
+    Attributes:
+        sequence_parallel: run the blocks on the sequence shard (needs a
+            ``tp`` dim).
+        tp_plan: module glob -> style name or torch ``ParallelStyle``; the
+            model's declared plan when ``None``.
+        patch_is_packed_sequence: apply :func:`patch_is_packed_sequence`.
+        mp_policy: the mixed-precision policy; ``None`` means disabled.
+        offload_policy: every unit's offload policy.
+        activation_checkpointing: ``False``, ``True``, ``"full"`` or
+            ``"selective"``.
+        defer_fsdp_grad_sync: the default ``defer`` of gradient accumulation.
+        reshard_after_forward: ``None`` (the reshard policy), a bool or a
+            group size.
+        enable_async_tensor_parallel: overlap the sequence collectives with
+            the matmuls (needs ``sequence_parallel`` and CUDA).
+        enable_compile: ``torch.compile`` each block.
+        enable_fsdp2_prefetch: chain explicit prefetches between blocks.
+        fsdp2_backward_prefetch_depth: blocks all-gathered ahead in backward.
+        fsdp2_forward_prefetch_depth: blocks all-gathered ahead in forward.
+        expert_modules: globs of expert modules (a bare string is one glob).
+        cross_block_modules: holders made one unit across blocks (a bare
+            string is one name).
+        blocks: the model's blocks (a bare string is one name or glob).
+        loss_parallel: keep the head's logits vocabulary-sharded.
+
+    Example::
+
+        config = fsdptx.FSDP2Config(sequence_parallel=True, activation_checkpointing="selective")
+        model = fsdptx.FSDP2Manager(config, mesh).parallelize(model)
     """
 
     sequence_parallel: bool = False
@@ -237,8 +268,9 @@ class FSDP2Config:
         check_policy_dtypes(self.mp_policy, "FSDP2Config")
         for name in ("expert_modules", "cross_block_modules", "blocks"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
-                raise TypeError(f"FSDP2Config.{name} must be a tuple of str, got {value!r}")
+            if value is not None:
+                # Stored as a tuple (the config stays hashable); a bare string is one name.
+                object.__setattr__(self, name, name_tokens(value, f"FSDP2Config.{name}"))
 
     @property
     def checkpoint_mode(self) -> Literal["full", "selective"] | None:
@@ -272,6 +304,17 @@ class FSDP2Manager:
     expert modules (``config.expert_modules``, or what the model declares)
     over its data-parallel dims. :meth:`plan` is the pure dry run;
     :meth:`parallelize` applies exactly that Plan.
+
+    Args:
+        config: the settings.
+        device_mesh: the mesh, read by dim names.
+        moe_mesh: the mesh expert modules shard over, if any.
+
+    Example::
+
+        manager = fsdptx.FSDP2Manager(fsdptx.FSDP2Config(), mesh)
+        print(manager.plan(model))        # pure: review before anything changes
+        model = manager.parallelize(model)
     """
 
     def __init__(self, config: FSDP2Config, device_mesh: DeviceMesh, moe_mesh: DeviceMesh | None = None) -> None:
@@ -487,6 +530,23 @@ def gradient_sync_context(model: nn.Module, is_optimizer_step: bool, *, defer: b
     On exit every unit gets back the sync setting it had on entry (not
     "on"): nested contexts then compose, and a unit whose sync the user had
     turned off stays off. Arguments are checked before any unit changes.
+
+    Args:
+        model: the (partly) FSDP-sharded model.
+        is_optimizer_step: whether this micro-batch ends the optimizer step.
+        defer: whether to skip the reduce-scatter on the other micro-batches.
+
+    Yields:
+        Nothing; the backward runs inside.
+
+    Raises:
+        TypeError: ``is_optimizer_step`` or ``defer`` is not a bool.
+
+    Example::
+
+        for i, batch in enumerate(micro_batches):
+            with fsdptx.gradient_sync_context(model, is_optimizer_step=i == len(micro_batches) - 1):
+                model(batch).sum().backward()
     """
     require_module(model, "model", "gradient_sync_context")
     if not isinstance(is_optimizer_step, bool):

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, c
 
 from ..core._args import require_module
 from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions
+from ..core._names import join_names
 from ..core._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
 from ..model._index import ModelIndex
 from ..model._unit_checks import module_problems
@@ -54,7 +55,18 @@ CheckpointModule = Callable[..., Any]
 
 
 class PlanMismatchError(ValueError):
-    """The Plan does not fit the model it is applied to; nothing was changed."""
+    """The Plan does not fit the model it is applied to; nothing was changed.
+
+    A ``ValueError`` listing every problem found (up to twenty), each naming
+    the unit, module or parameter concerned.
+
+    Example::
+
+        try:
+            fsdptx.apply_plan(p, model, mesh)
+        except fsdptx.PlanMismatchError as e:
+            print(e)  # the model is exactly as it was
+    """
 
 
 def _fail(problems: list[str]) -> None:
@@ -91,6 +103,21 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
     A plan whose units the planner resolved and checked against this model,
     unchanged since (same walk signature: see
     :mod:`fsdptx.model._walk` and :mod:`fsdptx.plan._vouch`), is not checked again.
+
+    Args:
+        plan: the Plan to check.
+        model: the model it would be applied to.
+
+    Returns:
+        Each unit's modules, in plan order.
+
+    Raises:
+        TypeError: ``plan`` is not a Plan or ``model`` not a module.
+        PlanMismatchError: the plan does not fit the model.
+
+    Example::
+
+        units = fsdptx.check_plan(fsdptx.plan_from_json(text), model)  # before a long job starts
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"check_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
@@ -182,18 +209,18 @@ def _claim_problems(
             detail.append(f"would also claim {extra}")
         if lacking:
             detail.append(f"would not reach {lacking}")
-        problems.append(f"unit {i} ({', '.join(unit.modules) or '<root>'}): " + "; ".join(detail))
+        problems.append(f"unit {i} ({join_names(unit.modules)}): " + "; ".join(detail))
     trainable = {f: p.dtype for f, p in claimed if p.requires_grad}
     now = set(trainable.values())
     if unit.storage_dtype is not None and len(now) == 1 and now != {unit.storage_dtype}:
         problems.append(
-            f"unit {i} ({', '.join(unit.modules) or '<root>'}) was planned for {str(unit.storage_dtype).removeprefix('torch.')} "
+            f"unit {i} ({join_names(unit.modules)}) was planned for {str(unit.storage_dtype).removeprefix('torch.')} "
             f"storage, but its parameters are {str(now.pop()).removeprefix('torch.')} now (the model was cast after planning)"
         )
     elif len(now) > 1:
         listed = ", ".join(f"{f}: {str(d).removeprefix('torch.')}" for f, d in trainable.items())
         problems.append(
-            f"unit {i} ({', '.join(unit.modules) or '<root>'}) mixes storage dtypes ({listed}); "
+            f"unit {i} ({join_names(unit.modules)}) mixes storage dtypes ({listed}); "
             "FSDP2 needs one storage dtype per unit"
         )
     scalars = [f for f, p in claimed if p.dim() == 0]
@@ -247,7 +274,7 @@ def _check_against_mesh(
             problems.append(str(e))
     sized = [(i, u) for i, u in enumerate(plan.units) if type(u.reshard_after_forward) is int]
     problems.extend(
-        f"unit {i} ({', '.join(u.modules) or '<root>'}): reshard_after_forward={u.reshard_after_forward} "
+        f"unit {i} ({join_names(u.modules)}): reshard_after_forward={u.reshard_after_forward} "
         f"does not divide the shard dimension of the mesh ({dims.dp_shard})"
         for i, u in sized
         if dims.dp_shard % u.reshard_after_forward  # type: ignore[operator]
@@ -471,6 +498,30 @@ def apply_plan(
     ``cp`` folded in (HSDP when ``dp_replicate`` is present). Each effect is
     an argument with torch's default, so tests can record calls and other
     frameworks substitute their own.
+
+    Args:
+        plan: the Plan to carry out (from :func:`fsdptx.plan` or a plan file).
+        model: the model it was planned for.
+        mesh: the device mesh, read by dim names.
+        moe_mesh: the mesh expert units shard over; needed when the plan has
+            expert units.
+        shard_module: the FSDP primitive (``fully_shard``).
+        parallelize_module: the TP primitive (``parallelize_module``).
+        checkpoint_module: the activation-checkpoint primitive (torch's
+            composable ``checkpoint``).
+
+    Returns:
+        ``model``, parallelized in place.
+
+    Raises:
+        TypeError: ``plan`` is not a Plan, or ``moe_mesh`` not a mesh.
+        PlanMismatchError: the plan does not fit the model or the mesh;
+            nothing was changed.
+
+    Example::
+
+        p = fsdptx.plan(model, pipeline, mp_policy=policy)
+        fsdptx.apply_plan(p, model, mesh["dp"])
     """
     return apply_indexed(
         plan,

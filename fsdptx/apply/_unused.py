@@ -34,6 +34,18 @@ def configure_fsdp_unused_param_reduction(module: nn.Module) -> int:
     reduce-scatter refuses the mix. So each unit's post-backward is wrapped
     (:func:`_align_reduce_dtypes`) to bring every gradient of the unit to one
     dtype first. Calling this twice wraps nothing twice.
+
+    Args:
+        module: a module already sharded with ``fully_shard`` (or holding
+            such units).
+
+    Returns:
+        How many FSDP units were configured.
+
+    Example::
+
+        fsdptx.apply_plan(p, model, mesh)
+        n = fsdptx.configure_fsdp_unused_param_reduction(model)
     """
     require_module(module, "module", "configure_fsdp_unused_param_reduction")
     return configure_units_of(module.modules())

@@ -1,33 +1,21 @@
-"""Pieces the dry run's modules share: the usage error, byte formatting,
-rows of repeated units, rank 0's parameter shards and the CLI's bounds."""
+"""Pieces the dry run's modules share: the usage error, rows of repeated
+units, rank 0's parameter shards and the CLI's bounds."""
 
 from __future__ import annotations
 
-
-import argparse
-import dataclasses
-import importlib
-import json
 import math
-import os
-import re
-import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from ..apply._apply import apply_plan
 from ..core._meshes import KNOWN_DIMS, ParallelDims
-from ..plan._types import Plan, Unit, _format_requests, reshards_after_forward
-from ..plan._json import plan_document
-from ._report import OPTIMIZER_STATES, MemoryPlan, ParamShard, UnitTraffic, local_shape, memory_plan, step_traffic
-from ..plan._transforms import compose, mark_reduction, shard_across_blocks, shard_by_dtype
-from ..presets import PRESETS, build_preset
+from ..core._names import collapse_keyed, join_names
+from ..plan._types import Plan
+from ._report import ParamShard, local_shape
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -115,46 +103,6 @@ def _dtype(d: torch.dtype | None) -> str | None:
     return None if d is None else str(d).removeprefix("torch.")
 
 
-def fmt_bytes(n: float) -> str:
-    """GiB / MiB / KiB with two significant decimals, B below 1 KiB."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-_INDEX = re.compile(r"(?<![^.])\d+(?![^.])")
-
-
-def _ranges(indices: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0..2,5"``."""
-    parts: list[str] = []
-    start = prev = indices[0]
-    for i in [*indices[1:], None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        parts.append(str(start) if start == prev else f"{start}..{prev}")
-        if i is not None:
-            start = prev = i
-    return ",".join(parts)
-
-
-def collapse_fqns(fqns: Sequence[str]) -> str:
-    """``model.layers.0`` .. ``model.layers.79`` -> ``model.layers.{0..79}``:
-    FQNs that differ in one index become one name with the indices braced."""
-    if len(fqns) == 1:
-        return fqns[0] or "<root>"
-    patterns = {_INDEX.sub("*", f) for f in fqns}
-    if len(patterns) == 1:
-        pattern = patterns.pop()
-        if pattern.count("*") == 1:
-            indices = sorted(int(_INDEX.findall(f)[0]) for f in fqns)
-            return pattern.replace("*", "{" + _ranges(indices) + "}")
-        return f"{pattern} ({len(fqns)} modules)"
-    return f"{fqns[0]} +{len(fqns) - 1} more"
-
-
 _ROW_FIELDS = (
     "kind",
     "storage_dtype",
@@ -169,20 +117,25 @@ _ROW_FIELDS = (
 
 
 def _rows(units: Sequence[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
-    """Units that differ only in a block index collapse into one row
-    (``model.layers.{0..78} x79``); one that differs (the last block, which
-    does not reshard) keeps a row of its own."""
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    """Units that differ only in a block index and agree in every field a
+    row shows collapse into one row (``model.layers.{0..78} (79 units)``);
+    one that differs (the last block, which does not reshard) keeps a row
+    of its own, and so does a unit spanning several modules
+    (``layers.{0..3}.attn.sinks (one unit)``)."""
+    by_module: dict[str, dict[str, Any]] = {}
+    items: list[tuple[str, tuple[Any, ...]]] = []
     for u in units:
-        pattern = _INDEX.sub("*", "|".join(u["modules"])) if len(u["modules"]) == 1 else u["index"]
-        key = (pattern, *(u[f] for f in _ROW_FIELDS))
-        groups.setdefault(key, []).append(u)
-    rows = []
-    for group in groups.values():
-        if len(group) == 1:
-            u = group[0]
-            label = collapse_fqns(u["modules"])
-            rows.append((label if len(u["modules"]) == 1 else f"{label} (one unit)", group))
+        if len(u["modules"]) == 1:
+            by_module[u["modules"][0]] = u
+            items.append((u["modules"][0], tuple(u[f] for f in _ROW_FIELDS)))
         else:
-            rows.append((f"{collapse_fqns([u['modules'][0] for u in group])} x{len(group)}", group))
+            items.append((u["modules"][0], ("one unit", u["index"])))
+    rows: list[tuple[str, list[dict[str, Any]]]] = []
+    for label, key, names in collapse_keyed(items):
+        if key[0] == "one unit":
+            u = units[key[1]]
+            rows.append((f"{join_names(u['modules'])} (one unit)", [u]))
+        else:
+            group = [by_module[n] for n in names]
+            rows.append((label if len(group) == 1 else f"{label} ({len(group)} units)", group))
     return rows

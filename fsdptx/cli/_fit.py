@@ -340,7 +340,8 @@ def run_fit(args: Any) -> str:
     import json
 
     from ..manager import FSDP2Config
-    from ._common import UsageError, fmt_bytes, mp_policy
+    from ..core._sizes import format_bytes
+    from ._common import UsageError, mp_policy
     from ._run import _batch_seq, build_model
 
     try:
@@ -391,15 +392,15 @@ def run_fit(args: Any) -> str:
     if args.json:
         return json.dumps(data, indent=2)
     lines = [
-        f"fsdptx plan --fit: {name} on {gpus} GPUs x {fmt_bytes(budget)}, batch {batch} x seq {seq} per "
+        f"fsdptx plan --fit: {name} on {gpus} GPUs x {format_bytes(budget)}, batch {batch} x seq {seq} per "
         f"data-parallel rank: {len(result.fitting)} of {len(result.candidates)} configurations fit "
         "(best first: least communication per step, then least recompute)",
     ]
     for i, c in enumerate(result.fitting, 1):
-        comm = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.comm_bytes.items() if v)
+        comm = ", ".join(f"{k} {format_bytes(v)}" for k, v in c.comm_bytes.items() if v)
         lines.append(
             f"{i:3}. --mesh {c.mesh_arg}  ac={c.activation_checkpointing or 'off'}  offload={'on' if c.offload else 'off'}"
-            f"  peak {fmt_bytes(c.peak_bytes)}  comm {fmt_bytes(c.comm_total)} ({comm or 'none'})"
+            f"  peak {format_bytes(c.peak_bytes)}  comm {format_bytes(c.comm_total)} ({comm or 'none'})"
         )
         lines.append(f"     {c.config_text()}  # python -m fsdptx plan <model options> {' '.join(c.cli_args())}")
     lines += [f"skipped {s}" for s in result.skipped]

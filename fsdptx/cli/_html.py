@@ -51,7 +51,7 @@ def _x(index: int, last: int) -> float:
 
 
 def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], peak_at: str) -> str:
-    from ._common import fmt_bytes
+    from ..core._sizes import format_bytes
 
     last = max([s.index for s in samples] + [c.index for c in collectives] + [1])
     top = max((s.total for s in samples), default=1) or 1
@@ -82,11 +82,11 @@ def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], pe
     px = _x(peak.index, last)
     parts.append(f'<line x1="{px:.1f}" y1="20" x2="{px:.1f}" y2="{20 + HEIGHT}" class="peak"/>')
     parts.append(
-        f'<text x="{min(px + 4, WIDTH - 260):.1f}" y="16" class="peak-label">peak {html.escape(fmt_bytes(peak.total))}'
+        f'<text x="{min(px + 4, WIDTH - 260):.1f}" y="16" class="peak-label">peak {html.escape(format_bytes(peak.total))}'
         f" ({html.escape(peak_at)})</text>"
     )
     for frac in (0.25, 0.5, 0.75, 1.0):
-        parts.append(f'<text x="4" y="{y(top * frac) + 4:.1f}" class="axis">{html.escape(fmt_bytes(top * frac))}</text>')
+        parts.append(f'<text x="4" y="{y(top * frac) + 4:.1f}" class="axis">{html.escape(format_bytes(top * frac))}</text>')
     # units lane: one segment per run of samples in the same unit and phase
     uy = HEIGHT + 26
     parts.append(f'<text x="4" y="{uy + 10}" class="axis">units</text>')
@@ -110,7 +110,7 @@ def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], pe
         parts.append(f'<text x="4" y="{ly + 12}" class="axis">{source}</text>')
         for c in (c for c in collectives if c.source == source):
             cx = _x(c.index, last)
-            title = html.escape(f"{c.op} {fmt_bytes(c.bytes)} in the {where_label(Sample(c.index, c.phase, c.unit, {}))}")
+            title = html.escape(f"{c.op} {format_bytes(c.bytes)} in the {where_label(Sample(c.index, c.phase, c.unit, {}))}")
             color = _OPS.get(c.op, "#888")
             parts.append(
                 f'<rect x="{cx:.1f}" y="{ly}" width="2" height="{LANE - 4}" fill="{color}"><title>{title}</title></rect>'
@@ -129,7 +129,8 @@ def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], pe
 
 
 def _table(data: dict[str, Any]) -> str:
-    from ._common import _rows, fmt_bytes
+    from ..core._sizes import format_bytes
+    from ._common import _rows
 
     head = ("units", "kind", "storage->compute", "params/rank", "gathered", "reshard", "AG", "RS")
     rows = []
@@ -139,8 +140,8 @@ def _table(data: dict[str, Any]) -> str:
             label,
             u["kind"],
             f"{u['storage_dtype']}->{u['compute_dtype']}",
-            fmt_bytes(u["bytes_per_rank"]),
-            fmt_bytes(u["gathered_bytes"]),
+            format_bytes(u["bytes_per_rank"]),
+            format_bytes(u["gathered_bytes"]),
             str(u["reshard_after_forward"]),
             str(u["all_gathers"]),
             str(u["reduce_scatters"]),
@@ -197,12 +198,12 @@ def render_html(data: dict[str, Any], samples: Sequence[Sample], collectives: Se
     Returns:
         The whole HTML document.
     """
-    from ._common import fmt_bytes
+    from ..core._sizes import format_bytes
 
     m = data["memory"]
     last = max([s.index for s in samples] + [c.index for c in collectives] + [1])
     points = [
-        [round(_x(s.index, last), 1), f"{where_label(s)}: {fmt_bytes(s.total)}"]
+        [round(_x(s.index, last), 1), f"{where_label(s)}: {format_bytes(s.total)}"]
         for s in _bucketed(samples)
     ]
     mesh = ", ".join(f"{k}={v}" for k, v in data["mesh"].items())
@@ -213,7 +214,7 @@ def render_html(data: dict[str, Any], samples: Sequence[Sample], collectives: Se
         ("activations (end of forward)", m["activations_bytes"]),
         ("peak", m["peak_bytes"]),
     ]
-    summary = "".join(f"<tr><th>{k}</th><td>{html.escape(fmt_bytes(v))}</td></tr>" for k, v in figures)
+    summary = "".join(f"<tr><th>{k}</th><td>{html.escape(format_bytes(v))}</td></tr>" for k, v in figures)
     notes = "".join(f"<li>estimated: {html.escape(n)}</li>" for n in m["estimated"])
     title = html.escape(f"fsdptx plan: {data['model']} on {mesh}")
     return (
@@ -221,7 +222,7 @@ def render_html(data: dict[str, Any], samples: Sequence[Sample], collectives: Se
         f"<title>{title}</title><style>{_STYLE}</style></head><body>"
         f"<h1>{title}</h1>"
         f"<p>One training step per rank (rank 0), batch {m['batch']} x seq {m['seq']} per data-parallel rank, "
-        f"traced under FakeTensorMode. Peak {html.escape(fmt_bytes(m['peak_bytes']))} in the "
+        f"traced under FakeTensorMode. Peak {html.escape(format_bytes(m['peak_bytes']))} in the "
         f"{html.escape(m['peak_at'])}.</p>"
         f"<table>{summary}</table><ul>{notes}</ul>"
         + _memory_svg(samples, collectives, m["peak_at"])

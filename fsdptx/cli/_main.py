@@ -18,32 +18,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import os
-import re
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
-import torch
-from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Shard
 
-from ..apply._apply import apply_plan
-from ..core._meshes import KNOWN_DIMS, ParallelDims
-from ..plan._types import Plan, Unit, _format_requests, reshards_after_forward
-from ._diff import PlanFileError, add_diff_parser, run_diff
+from ..core._meshes import KNOWN_DIMS
+from ..core._names import join_names
+from ..core._sizes import format_bytes
 from ..plan._json import plan_document
-from ._report import OPTIMIZER_STATES, MemoryPlan, ParamShard, UnitTraffic, local_shape, memory_plan, step_traffic
 from ..plan._transforms import compose, mark_reduction, shard_across_blocks, shard_by_dtype
-from ..presets import PRESETS, build_preset
-from ._memory import Trace, disable_kv_cache, memory_json, memory_text, traced
-from ._common import APPLY_BUDGET, MAX_LAYERS, MAX_WORLD, UsageError, _DP_DIMS, _DTYPES, _INDEX, _ROW_FIELDS, _dtype, _one_line, _ranges, _rows, _tp_dim, collapse_fqns, fmt_bytes, mp_policy, param_shards
-from ._run import DryRun, _batch_seq, _build_hf, _exited, _parse_value, build_model, dry_run, load_factory, parse_hf_config, parse_mesh
+from ..plan._types import Plan, _format_requests, reshards_after_forward
+from ..presets import PRESETS
+from ._common import MAX_LAYERS, MAX_WORLD, UsageError, _DTYPES, _dtype, _one_line, _rows, mp_policy, param_shards
+from ._diff import PlanFileError, add_diff_parser, run_diff
+from ._memory import disable_kv_cache, memory_json, memory_text
+from ._report import OPTIMIZER_STATES, PAD_FLAG_RATIO, MemoryPlan, UnitTraffic, memory_plan, step_traffic
+from ._run import DryRun, _batch_seq, build_model, dry_run, parse_hf_config, parse_mesh
 
 # The pipeline of plain ``fsdptx.plan`` (no manager): kept for callers that
 # compare against it; the CLI itself runs the manager's pipeline.
@@ -53,11 +48,6 @@ DEFAULT_PIPELINE = compose(shard_by_dtype, shard_across_blocks, mark_reduction)
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
-
-
-def _unit_label(unit: Unit) -> str:
-    label = collapse_fqns(unit.modules)
-    return label if len(unit.modules) == 1 else f"{label} (one unit)"
 
 
 def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, optimizer: str) -> dict[str, Any]:
@@ -79,7 +69,7 @@ def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, o
                 "bytes": u.nbytes,
                 "bytes_per_rank": m.params,
                 "padding_bytes_per_rank": m.padding,
-                "padding_flagged": m.padding_ratio > 0.25,
+                "padding_flagged": m.padding_ratio > PAD_FLAG_RATIO,
                 "gathered_bytes": m.gathered,
                 "reduce_scatter_input_bytes": m.reduce_input,
                 "reshard_after_forward": reshards_after_forward(u),
@@ -220,9 +210,9 @@ def render(data: dict[str, Any], p: Plan) -> str:
                     label,
                     f"{u['storage_dtype']}->{u['compute_dtype']}",
                     str(u["reshard_after_forward"]),
-                    fmt_bytes(u["bytes_per_rank"]),
+                    format_bytes(u["bytes_per_rank"]),
                     cell,
-                    fmt_bytes(u["gathered_bytes"]),
+                    format_bytes(u["gathered_bytes"]),
                     str(u["all_gathers"]),
                     str(u["reduce_scatters"]),
                 )
@@ -233,7 +223,7 @@ def render(data: dict[str, Any], p: Plan) -> str:
             "compute dtype; AG/RS = all-gathers/reduce-scatters per step)"
         )
         if flagged:
-            lines.append("(!) shards padded by more than 25%: dim 0 is small or not divisible by the shard count")
+            lines.append(f"(!) shards padded by more than {PAD_FLAG_RATIO:.0%}: dim 0 is small or not divisible by the shard count")
     else:
         lines.append("no FSDP units")
     lines += _format_requests(p)
@@ -246,13 +236,13 @@ def render(data: dict[str, Any], p: Plan) -> str:
             + " (unmarked replicated params: mean)"
         )
     if data["tp_replica_sync_excluded"]:
-        lines.append("excluded from tp-replica sync: " + ", ".join(data["tp_replica_sync_excluded"]))
+        lines.append("excluded from tp-replica sync: " + join_names(data["tp_replica_sync_excluded"]))
     s = data["step"]
     lines += [
         "",
         f"per training step (FSDP, per rank): {s['all_gathers']} all-gathers producing "
-        f"{fmt_bytes(s['all_gather_bytes'])}, {s['reduce_scatters']} reduce-scatters consuming "
-        f"{fmt_bytes(s['reduce_scatter_bytes'])}; TP collectives move activations and are not counted",
+        f"{format_bytes(s['all_gather_bytes'])}, {s['reduce_scatters']} reduce-scatters consuming "
+        f"{format_bytes(s['reduce_scatter_bytes'])}; TP collectives move activations and are not counted",
         "",
     ]
     lines += _memory_lines(data)
@@ -262,7 +252,7 @@ def render(data: dict[str, Any], p: Plan) -> str:
 def _memory_lines(data: dict[str, Any]) -> list[str]:
     m, d = data["memory"], data["dims"]
     split = d["dp_shard"] * (d["tp"] if d["tp"] > 1 else 1)
-    params = f"{fmt_bytes(m['params_bytes'])} ({m['params_bytes']:,} B"
+    params = f"{format_bytes(m['params_bytes'])} ({m['params_bytes']:,} B"
     if d["tp"] == 1:
         params += f" = {data['model_bytes']:,} B / {d['dp_shard']} shards"
     else:  # TP-replicated params (norms) split over dp_shard only
@@ -271,19 +261,19 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
     states = OPTIMIZER_STATES[m["optimizer"]]
     rows = [
         ("parameters", params),
-        ("gradients", fmt_bytes(m["grads_bytes"])),
-        (f"optimizer ({m['optimizer']}, {states} fp32 states)", fmt_bytes(m["optimizer_bytes"])),
+        ("gradients", format_bytes(m["grads_bytes"])),
+        (f"optimizer ({m['optimizer']}, {states} fp32 states)", format_bytes(m["optimizer_bytes"])),
     ]
     largest = m["largest_gathered_unit"]
     if largest is not None:
-        label = collapse_fqns(largest["modules"])
-        rows.append(("largest all-gathered unit", f"{fmt_bytes(largest['bytes'])} ({label})"))
+        label = join_names(largest["modules"])
+        rows.append(("largest all-gathered unit", f"{format_bytes(largest['bytes'])} ({label})"))
     for phase in ("forward", "backward"):
         at = m[f"peak_{phase}_at"]
         rows.append(
             (
                 f"peak {phase}",
-                f"{fmt_bytes(m[f'peak_{phase}_bytes'])} (+ {fmt_bytes(m[f'peak_{phase}_gathered_bytes'])} gathered"
+                f"{format_bytes(m[f'peak_{phase}_bytes'])} (+ {format_bytes(m[f'peak_{phase}_gathered_bytes'])} gathered"
                 + (f", worst at {at})" if at else ")"),
             )
         )

@@ -119,6 +119,25 @@ class MemoryEstimate:
     ``peak_breakdown`` the categories at that moment and ``peak_at`` its
     unit and phase. ``timeline`` and ``collectives`` are the traced step;
     ``notes`` lists every figure that is estimated instead of traced.
+
+    Attributes:
+        batch: sequences per data-parallel rank.
+        seq: tokens per sequence.
+        params_bytes: the parameter shard.
+        grads_bytes: the gradient shard.
+        optimizer_bytes: the optimizer state.
+        activations_bytes: saved for backward when backward starts.
+        peak_bytes: the step's largest total.
+        peak_at: where the peak is (unit and phase).
+        peak_breakdown: the categories at the peak.
+        timeline: the traced step.
+        collectives: the traced collectives.
+        notes: the figures that are estimated instead of traced.
+
+    Example::
+
+        estimate = fsdptx.estimate_memory(manager, model, batch=1, seq=4096)
+        print(estimate.peak_bytes, estimate.peak_at)
     """
 
     batch: int
@@ -523,6 +542,16 @@ def estimate_memory(
 
     Returns:
         A :class:`MemoryEstimate` for rank 0.
+
+    Raises:
+        ValueError: ``batch`` or ``seq`` is below 1, or ``model`` is not on
+            the meta device.
+
+    Example::
+
+        with fsdptx.testing.fake_mesh((8,), ("dp",)) as mesh, torch.device("meta"):
+            model = build_model()
+            estimate = fsdptx.estimate_memory(fsdptx.FSDP2Manager(fsdptx.FSDP2Config(), mesh), model)
     """
     from ._common import param_shards
 
@@ -582,7 +611,7 @@ def memory_json(trace: Trace, shards: Mapping[str, ParamShard], optimizer: str) 
 
 def memory_text(m: Mapping[str, Any]) -> list[str]:
     """The lines of the text report for the traced figures of ``memory_json``."""
-    from ._common import fmt_bytes
+    from ..core._sizes import format_bytes as fmt_bytes
 
     breakdown = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(m["peak_breakdown"].items(), key=lambda kv: -kv[1]))
     comm = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in m["collective_bytes"].items()) or "none"

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core._names import join_names
 from ..plan._types import Plan, Unit, reshards_after_forward
 
 __all__ = [
@@ -299,7 +300,7 @@ def memory_plan(
     bwd, bwd_i = max(bwd_steps, key=lambda s: s[0], default=(0, -1))
 
     def where(i: int) -> str:
-        return "" if i < 0 else (plan.units[i].modules[0] or "<root>")
+        return "" if i < 0 else join_names(plan.units[i].modules)
 
     largest = max(range(len(units)), key=lambda i: units[i].gathered, default=None)
     return MemoryPlan(

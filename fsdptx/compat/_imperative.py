@@ -20,13 +20,13 @@ from torch.distributed.fsdp import (
 
 from ..core._args import require_module
 from ..core._caches import BoundedMemo, caches_enabled, process_wide
+from ..core._names import Names, name_tokens
 from ..apply._apply import ShardModule, apply_resolved, check_resolved, require_mesh as _require_mesh
 from ..apply._unused import configure_fsdp_unused_param_reduction
 from ..model._index import ModelIndex
 from ..model._unit_checks import container_classes
 from ..model._walk import ModelWalk, walk_model
 from ..plan._resolve import resolve_units
-from ..plan._transforms import _tuple_of_str
 from ..plan._types import CrossBlockRequest, DtypeRequest, Plan, Unit
 
 __all__ = [
@@ -44,7 +44,7 @@ def fully_shard_by_dtype(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None,
     offload_policy: OffloadPolicy | None,
-    fp32_compute_module_names: Sequence[str] | str = (),
+    fp32_compute_module_names: Names = (),
     reshard_after_forward: bool | int | None = None,
     ignored_params: Collection[nn.Parameter] | None = None,
     *,
@@ -77,10 +77,32 @@ def fully_shard_by_dtype(
     block of a model) takes that call's units from a memo instead of
     planning again (:class:`_CallMemo`), unless caches are off
     (:func:`fsdptx.caches`).
+
+    Args:
+        module: the module to shard (a block, or the model root last).
+        mesh: the data-parallel mesh.
+        mp_policy: the policy of the bulk; ``None`` means disabled.
+        offload_policy: every unit's offload policy.
+        fp32_compute_module_names: name tokens that compute in fp32.
+        reshard_after_forward: every unit's reshard setting (``None`` is not
+            passed on).
+        ignored_params: Parameters owned elsewhere.
+        shard_module: the FSDP primitive (``fully_shard``).
+
+    Raises:
+        TypeError: a wrong argument type (``ignored_params`` given as names).
+        ValueError: parameters of different groups sit directly on one
+            module; nothing was sharded.
+
+    Example::
+
+        for block in model.layers:
+            fsdptx.fully_shard_by_dtype(block, mesh, policy, None, fp32_compute_module_names=["sinks"])
+        fsdptx.fully_shard_by_dtype(model, mesh, policy, None)
     """
     require_module(module, "module", "fully_shard_by_dtype")
     _require_mesh(mesh, shard_module, "fully_shard_by_dtype")
-    tokens = _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
+    tokens = name_tokens(fp32_compute_module_names, "fp32_compute_module_names", "fully_shard_by_dtype")
     request = _Call(mp_policy, offload_policy, tokens, reshard_after_forward)
     units, resolved = _plan_call(module, request, ignored_params, _CALLS if caches_enabled() else None)
     _apply_now(Plan(units=units), module, resolved, mesh, shard_module)
@@ -242,6 +264,7 @@ def _parameters(items: Iterable[object]) -> list[nn.Parameter]:
             "wrap it in a set"
         )
     listed = list(items)
+    params = [p for p in listed if isinstance(p, nn.Parameter)]
     bad = [p for p in listed if not isinstance(p, nn.Parameter)]
     if bad:
         shown = ", ".join(repr(p) if isinstance(p, str) else type(p).__name__ for p in bad[:5])
@@ -250,7 +273,7 @@ def _parameters(items: Iterable[object]) -> list[nn.Parameter]:
             + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
             + "; pass module.get_parameter(name) for a name"
         )
-    return listed  # type: ignore[return-value]
+    return params
 
 
 class ParameterSet(set[nn.Parameter]):
@@ -263,6 +286,15 @@ class ParameterSet(set[nn.Parameter]):
     whole set once per block. Given a ``ParameterSet`` it only looks up the
     module's own parameters in it; any other collection is checked element
     by element on every call. :func:`fully_shard_across_blocks` returns one.
+
+    Args:
+        items: the initial members, each an ``nn.Parameter``.
+
+    Example::
+
+        owned = fsdptx.fully_shard_across_blocks(model.layers, ["sinks"], mesh, policy, None)
+        for block in model.layers:
+            fsdptx.fully_shard_by_dtype(block, mesh, policy, None, ignored_params=owned)
     """
 
     def __init__(self, items: Iterable[nn.Parameter] = ()) -> None:
@@ -302,7 +334,7 @@ def _ignored_slots(walk: ModelWalk, ignored_params: Collection[nn.Parameter] | N
 
 def fully_shard_across_blocks(
     blocks: Sequence[nn.Module],
-    module_names: Sequence[str] | str,
+    module_names: Names,
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None,
     offload_policy: OffloadPolicy | None,
@@ -324,6 +356,29 @@ def fully_shard_across_blocks(
     parameters of every unit made here as they are after sharding (DTensor
     parameters), for use as ``ignored_params`` of the enclosing units, as a
     :class:`ParameterSet`: a ``set`` with which those calls stay linear.
+
+    Args:
+        blocks: the blocks, in order.
+        module_names: block-relative names of the holders (a bare string is
+            one name).
+        mesh: the data-parallel mesh.
+        mp_policy: the caller's policy; the units compute in fp32 from it.
+        offload_policy: the units' offload policy.
+        shard_module: the FSDP primitive (``fully_shard``).
+
+    Returns:
+        The holders' parameters as a :class:`ParameterSet`.
+
+    Raises:
+        TypeError: ``blocks`` is not a list of modules.
+        ValueError: a name is in no block, or a matched module holds a
+            parameter that is not fp32.
+
+    Example::
+
+        owned = fsdptx.fully_shard_across_blocks(model.layers, ["self_attn"], mesh, policy, None)
+        for block in model.layers:
+            fsdptx.fully_shard_by_dtype(block, mesh, policy, None, ignored_params=owned)
     """
     if isinstance(blocks, nn.Module) or not isinstance(blocks, Sequence):
         raise TypeError(
@@ -333,7 +388,7 @@ def fully_shard_across_blocks(
     if wrong:
         raise TypeError(f"fully_shard_across_blocks: every block must be an nn.Module; {', '.join(wrong)}")
     _require_mesh(mesh, shard_module, "fully_shard_across_blocks")
-    names = _tuple_of_str(module_names, "module_names")
+    names = name_tokens(module_names, "module_names", "fully_shard_across_blocks")
     holder = nn.ModuleList(blocks)  # a view for FQNs "0.attn.sinks"; blocks are not changed
     index = ModelIndex.build(holder)
     units = resolve_units(
@@ -383,7 +438,20 @@ def reject_unsupported_mtp_cp(model: nn.Module) -> None:
     """Raise ``RuntimeError`` if multi-token prediction is enabled but the
     model has not declared context-parallel support
     (``model.supports.supports_mtp_cp``): MTP heads shift the sequence, which
-    CP's sequence split would silently corrupt."""
+    CP's sequence split would silently corrupt.
+
+    Args:
+        model: the model; ``model.supports`` is read duck-typed (a model
+            without it has MTP disabled).
+
+    Raises:
+        RuntimeError: MTP is enabled without ``supports_mtp_cp``.
+
+    Example::
+
+        if cp_size > 1:
+            fsdptx.reject_unsupported_mtp_cp(model)
+    """
     require_module(model, "model", "reject_unsupported_mtp_cp")
     if _supports(model, "mtp_enabled") and not _supports(model, "supports_mtp_cp"):
         raise _MTPContextParallelError(
@@ -401,7 +469,22 @@ def reject_unsupported_mtp_cp_pp(model: nn.Module, pp_size: int | None = None) -
     then, when the model is a pipeline stage (``pp_size > 1``, or its legacy
     ``_is_pipeline_parallel_stage()`` hook returns True), ``NotImplementedError``
     without ``supports_mtp_cp_pp``. ``pp_size`` must be ``None`` or an int
-    (``"2"`` would compare as text)."""
+    (``"2"`` would compare as text).
+
+    Args:
+        model: the model or pipeline stage.
+        pp_size: the pipeline-parallel size, if known.
+
+    Raises:
+        TypeError: ``pp_size`` is neither ``None`` nor an int.
+        RuntimeError: MTP with CP is not supported (the CP check).
+        NotImplementedError: MTP with CP and PP is not supported.
+
+    Example::
+
+        if cp_size > 1:
+            fsdptx.reject_unsupported_mtp_cp_pp(model, pp_size=pp_size)
+    """
     if pp_size is not None and (isinstance(pp_size, bool) or not isinstance(pp_size, int)):
         raise TypeError(f"reject_unsupported_mtp_cp_pp: pp_size must be an int or None, got {pp_size!r}")
     reject_unsupported_mtp_cp(model)

@@ -1,3 +1,15 @@
-"""Pure building blocks: tree walks, dtypes, policies, chunks, argument checks, meshes, globs.
+"""Pure building blocks: tree walks, dtypes, policies, chunks, names, sizes,
+argument checks, meshes, globs.
 
-The lowest layer: imports nothing else from fsdptx."""
+The lowest layer: imports nothing else from fsdptx. Every import of fsdptx
+passes through here first, so torch is imported here, once, quietly: torch
+warns "Failed to initialize NumPy" on import when numpy is missing; fsdptx
+depends on torch alone and never needs numpy, so that warning is only noise
+(it would be the first line of every ``python -m fsdptx plan``). The filter
+is scoped to this import: none stays installed."""
+
+import warnings
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch  # noqa: F401

@@ -4,33 +4,19 @@ from deep inside torch after part of the work is done."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import operator
+from typing import SupportsIndex
 
 import torch
 from torch import nn
 
-__all__ = ["require_dtype", "require_module", "require_names", "require_positive_int"]
+__all__ = ["require_dtype", "require_module", "require_positive_int"]
 
 
 def require_module(value: object, argument: str, where: str) -> nn.Module:
     if not isinstance(value, nn.Module):
         raise TypeError(f"{where}: {argument} must be a torch.nn.Module, got {type(value).__name__}")
     return value
-
-
-def require_names(value: object, argument: str, where: str) -> tuple[str, ...]:
-    """A sequence of names. A bare string is refused: iterating it would
-    give its characters (``"sinks"`` would pin every name containing an
-    ``i``), almost never what was meant."""
-    if isinstance(value, str):
-        raise TypeError(f"{where}: {argument} must be a list or tuple of names, not the string {value!r}; write [{value!r}]")
-    if not isinstance(value, Iterable):
-        raise TypeError(f"{where}: {argument} must be a list or tuple of names, got {type(value).__name__}")
-    items = tuple(value)
-    bad = [v for v in items if not isinstance(v, str)]
-    if bad:
-        raise TypeError(f"{where}: {argument} must hold names (str), got {bad!r}")
-    return items
 
 
 def require_dtype(value: object, argument: str, where: str) -> torch.dtype:
@@ -44,10 +30,9 @@ def require_dtype(value: object, argument: str, where: str) -> torch.dtype:
 def require_positive_int(value: object, argument: str, where: str) -> int:
     """A positive ``int`` (``bool`` is not one): a float, NaN or string
     byte budget would fail (or loop) deep inside the caller."""
-    if type(value) is not int:
-        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-            raise TypeError(f"{where}: {argument} must be a positive int, got {value!r}")
-        value = int(value.__index__())  # type: ignore[attr-defined]
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise TypeError(f"{where}: {argument} must be a positive int, got {value!r}")
+    value = operator.index(value)
     if value <= 0:
         raise ValueError(f"{where}: {argument} must be positive, got {value!r}")
     return value

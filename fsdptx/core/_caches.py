@@ -70,7 +70,26 @@ def caches(enabled: bool = True) -> Iterator[None]:
     imperative API plans every call, and derived tables are recomputed
     when read. Results are equal either way (the property tests compare
     them); only the cost differs. Entries remembered while on are kept,
-    neither read nor added to while off."""
+    neither read nor added to while off. The TP-replica layouts kept on a
+    model (sync, broadcast, audit) follow the switch too.
+
+    Args:
+        enabled: ``False`` to compute everything by the plain functions
+            inside the block; ``True`` (the default) to turn caches back on
+            inside an outer ``enabled=False`` block.
+
+    Yields:
+        Nothing; the setting holds until the block exits.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+
+    Example::
+
+        with fsdptx.caches(enabled=False):
+            plain = fsdptx.plan(model, pipeline)
+        assert plain == fsdptx.plan(model, pipeline)
+    """
     if not isinstance(enabled, bool):
         raise TypeError(f"caches: enabled must be True or False, got {enabled!r}")
     token = _ENABLED.set(enabled)
@@ -130,7 +149,13 @@ def process_wide(memo: M) -> M:
 def clear_caches() -> None:
     """Empty fsdptx's process-wide memos (the imperative API's memo of
     calls, the fp32 token searches). Nothing else outlives the call that
-    made it."""
+    made it, except the TP-replica layouts, which live and die with their
+    model.
+
+    Example::
+
+        fsdptx.clear_caches()   # e.g. between tests that count planning work
+    """
     for memo in _PROCESS_MEMOS:
         memo.clear()
 

@@ -36,6 +36,27 @@ def gradient_chunks(
 
     ``max_bytes`` is checked at the call, not at the first ``next()``: a
     generator would only raise once iterated, far from the mistake.
+
+    Args:
+        tensors: the gradients (or any tensors) to communicate, in the order
+            every rank uses.
+        max_bytes: the most bytes one buffer may take, counted at the
+            communication dtype; a positive int.
+
+    Returns:
+        An iterator of chunks, each a list of whole tensors and flat views.
+
+    Raises:
+        TypeError: ``max_bytes`` is not an int.
+        ValueError: ``max_bytes`` is not positive (at the call), cannot hold
+            one element, or a tensor that must be cut is not contiguous (while
+            iterating).
+
+    Example::
+
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for chunk in fsdptx.gradient_chunks(grads, max_bytes=64 * 2**20):
+            flat = torch.cat([g.reshape(-1).float() for g in chunk])
     """
     return _chunks(tensors, require_positive_int(max_bytes, "max_bytes", "gradient_chunks"))
 

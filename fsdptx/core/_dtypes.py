@@ -15,8 +15,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ._args import require_dtype, require_module, require_names
+from ._args import require_dtype, require_module
 from ._caches import process_memo
+from ._names import Names, name_tokens
 
 __all__ = [
     "LOW_PRECISION_FLOATS",
@@ -49,6 +50,20 @@ def gradient_reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     Summing many bf16/fp16 contributions loses low-order bits at every step;
     reducing in fp32 and casting back once keeps the result exact to the
     storage precision. Every other dtype is communicated as it is.
+
+    Args:
+        dtype: a gradient's dtype.
+
+    Returns:
+        ``torch.float32`` for fp16, bf16 and the fp8 kinds; ``dtype`` itself
+        otherwise.
+
+    Raises:
+        TypeError: ``dtype`` is not a ``torch.dtype``.
+
+    Example::
+
+        assert fsdptx.gradient_reduce_dtype(torch.bfloat16) is torch.float32
     """
     require_dtype(dtype, "dtype", "gradient_reduce_dtype")
     return torch.float32 if dtype in LOW_PRECISION_FLOATS else dtype
@@ -141,7 +156,7 @@ def compute_dtype(
 def make_compute_dtype_fn(
     module: nn.Module,
     mp_policy: MixedPrecisionPolicy | None,
-    fp32_compute_module_names: Collection[str] = (),
+    fp32_compute_module_names: Names = (),
     ignored_params: Collection[nn.Parameter] | None = None,
 ) -> Callable[[torch.Tensor], torch.dtype]:
     """Build a ``tensor -> compute dtype`` resolver for ``module``'s tensors.
@@ -151,9 +166,28 @@ def make_compute_dtype_fn(
     ``ignored_params`` are left out of the name table: they belong to another
     unit and are never grouped. A tensor from outside ``module`` resolves with
     no names (rules 1 and 3-5).
+
+    Args:
+        module: the module whose parameters and buffers are resolved.
+        mp_policy: the mixed-precision policy; ``None`` means disabled.
+        fp32_compute_module_names: name tokens pinning fp32 compute (a
+            parameter whose FQN contains one computes in fp32). A bare
+            string is one token, as everywhere in fsdptx.
+        ignored_params: parameters owned by another unit.
+
+    Returns:
+        ``tensor -> torch.dtype``, the compute dtype of each tensor.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or a name is not a str.
+
+    Example::
+
+        compute = fsdptx.make_compute_dtype_fn(block, policy, "sinks")
+        groups = fsdptx.group_params_by_dtype(block, lambda t: (t.dtype, compute(t)))
     """
     require_module(module, "module", "make_compute_dtype_fn")
-    tokens = require_names(fp32_compute_module_names, "fp32_compute_module_names", "make_compute_dtype_fn")
+    tokens = name_tokens(fp32_compute_module_names, "fp32_compute_module_names", "make_compute_dtype_fn")
     ignored = {id(p) for p in ignored_params or ()}
     names: dict[int, list[str]] = {}
     for fqn, p in module.named_parameters(remove_duplicate=False):
@@ -177,6 +211,20 @@ def group_params_by_dtype(
     by default), in registration order, leaving ``ignored_params`` out.
 
     Pass a key of ``(storage, compute)`` to get FSDP2-shardable groups.
+
+    Args:
+        module: the module whose distinct parameters are grouped.
+        dtype_of: the grouping key of a parameter; its storage dtype by
+            default.
+        ignored_params: parameters left out of every group.
+
+    Returns:
+        key -> parameters with that key, keys in first-seen order.
+
+    Example::
+
+        groups = fsdptx.group_params_by_dtype(block)
+        assert set(groups) <= {torch.float32, torch.bfloat16}
     """
     require_module(module, "module", "group_params_by_dtype")
     key_fn: Callable[[torch.Tensor], Hashable] = dtype_of or (lambda t: t.dtype)

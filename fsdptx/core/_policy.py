@@ -28,6 +28,24 @@ def mp_policy_with_param_dtype(
     build internal units clear it with :func:`get_internal_fsdp_mp_policy`.
     ``param_dtype`` must be a floating ``torch.dtype``; checked even when
     ``mp_policy`` is ``None``, so a wrong call fails on every path.
+
+    Args:
+        mp_policy: the policy to clone; ``None`` (mixed precision disabled)
+            stays ``None``.
+        param_dtype: the floating dtype the unit computes in.
+
+    Returns:
+        A new policy (the input is never mutated), or ``None``.
+
+    Raises:
+        TypeError: ``param_dtype`` is not a dtype or ``mp_policy`` is not a
+            ``MixedPrecisionPolicy``.
+        ValueError: ``param_dtype`` is not a floating dtype.
+
+    Example::
+
+        fp32 = fsdptx.mp_policy_with_param_dtype(policy, torch.float32)
+        assert fp32.reduce_dtype is torch.float32 and not fp32.cast_forward_inputs
     """
     require_dtype(param_dtype, "param_dtype", "mp_policy_with_param_dtype")
     if not param_dtype.is_floating_point:
@@ -65,6 +83,17 @@ def get_internal_fsdp_mp_policy(
     cross-block holders) may feed an unwrapped sibling before any other cast;
     they return their natural dtype and only the enclosing boundary applies
     the caller's ``output_dtype``.
+
+    Args:
+        mp_policy: the caller's policy; ``None`` stays ``None``.
+
+    Returns:
+        A new policy with ``output_dtype=None`` (the input is never mutated).
+
+    Example::
+
+        internal = fsdptx.get_internal_fsdp_mp_policy(policy)
+        fully_shard(block.attn.sinks_holder, mesh=mesh, mp_policy=internal)
     """
     if mp_policy is None:
         return None

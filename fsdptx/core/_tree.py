@@ -6,7 +6,7 @@ Everything here is pure: it reads ``nn.Module`` structure and never mutates it.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
 from torch import nn
@@ -105,12 +105,15 @@ def _merge(acc: object, key: object) -> object:
     return acc if acc == key else _MIXED
 
 
+_Key = TypeVar("_Key", bound=Hashable)
+
+
 def maximal_uniform_subtrees(
     root: nn.Module,
-    key_of: Callable[[nn.Module], Iterable[Hashable]],
+    key_of: Callable[[nn.Module], Iterable[_Key]],
     prefix: str = "",
     stop: Collection[int] = (),
-) -> Iterator[tuple[str, nn.Module, Hashable]]:
+) -> Iterator[tuple[str, nn.Module, _Key]]:
     """Yield maximal ``(fqn, module, key)`` whose subtree carries exactly one key.
 
     The generic engine behind :func:`iter_maximal_uniform_dtype_subtrees` and
@@ -124,7 +127,7 @@ def maximal_uniform_subtrees(
     module is a strict descendant of another.
     """
     state, shared = subtree_keys(root, key_of, stop)
-    candidates: list[tuple[str, nn.Module, Hashable]] = []
+    candidates: list[tuple[str, nn.Module, _Key]] = []
     stack: list[tuple[str, nn.Module]] = [(prefix, root)]
     seen: set[int] = set()
     while stack:
@@ -136,7 +139,9 @@ def maximal_uniform_subtrees(
         if s is _EMPTY:
             continue
         if s is not _MIXED:
-            candidates.append((fqn, module, s))
+            # Neither sentinel: one of key_of's keys (the state table is
+            # typed object only because it also holds the sentinels).
+            candidates.append((fqn, module, cast(_Key, s)))
             continue
         children = [(join_fqn(fqn, n), c) for n, c in module._modules.items() if c is not None]
         stack.extend(reversed(children))
@@ -207,17 +212,36 @@ def iter_maximal_uniform_dtype_subtrees(
     dtype instead of storage dtype. Order is registration order; one pass.
     A module registered under two parents can lie inside two yielded
     subtrees that are not nested (neither can be yielded without it).
+
+    Args:
+        module: the root of the walk (yielded itself when uniform).
+        include_buffers: whether buffers count as well as parameters.
+        tensor_pred: which tensors count; all by default.
+        dtype_of: the dtype of a tensor; its storage dtype by default.
+        return_paths: yield ``(fqn, module, dtype)`` (``""`` for the root)
+            instead of ``(module, dtype)``.
+
+    Yields:
+        ``(module, dtype)``, or ``(fqn, module, dtype)`` with
+        ``return_paths=True``, in registration order.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+
+    Example::
+
+        for fqn, sub, dtype in fsdptx.iter_maximal_uniform_dtype_subtrees(block, return_paths=True):
+            print(fqn or "<root>", dtype)
     """
     require_module(module, "module", "iter_maximal_uniform_dtype_subtrees")
     dtype_fn: Callable[[torch.Tensor], torch.dtype] = dtype_of or (lambda t: t.dtype)
 
-    def key_of(m: nn.Module) -> Iterator[Hashable]:
+    def key_of(m: nn.Module) -> Iterator[torch.dtype]:
         for t in _direct_tensors(m, include_buffers):
             if tensor_pred is None or tensor_pred(t):
                 yield dtype_fn(t)
 
-    for fqn, sub, key in maximal_uniform_subtrees(module, key_of):
-        dtype: torch.dtype = key  # type: ignore[assignment]
+    for fqn, sub, dtype in maximal_uniform_subtrees(module, key_of):
         yield (fqn, sub, dtype) if return_paths else (sub, dtype)
 
 
@@ -226,6 +250,21 @@ def get_module_from_path(root: nn.Module, path: str) -> nn.Module:
 
     Raises ``AttributeError`` naming the full path and the first unknown
     segment, so a typo in a plan or a model's declared names is obvious.
+
+    Args:
+        root: the module the path starts from.
+        path: a dotted FQN; ``nn.ModuleList`` indices are segments.
+
+    Returns:
+        The submodule.
+
+    Raises:
+        TypeError: ``root`` is not a module or ``path`` not a str.
+        AttributeError: a segment names no submodule.
+
+    Example::
+
+        attn = fsdptx.get_module_from_path(model, "layers.3.attn")
     """
     require_module(root, "root", "get_module_from_path")
     if not isinstance(path, str):
@@ -269,10 +308,13 @@ def rank_stable_unique(entries: list[Entry]) -> list[Entry]:
     return out
 
 
+_Tensor = TypeVar("_Tensor", bound=torch.Tensor)
+
+
 def _iter_unique_named(
     model_parts: Sequence[nn.Module] | nn.Module,
-    named: Callable[[nn.Module], Iterable[tuple[str, torch.Tensor]]],
-) -> Iterator[tuple[str, torch.Tensor]]:
+    named: Callable[[nn.Module], Iterable[tuple[str, _Tensor]]],
+) -> Iterator[tuple[str, _Tensor]]:
     parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
     for i, part in enumerate(parts):
         require_module(part, f"model_parts[{i}]", "iter_unique_named_parameters/buffers")
@@ -290,15 +332,42 @@ def iter_unique_named_parameters(
     order and object identity can differ between ranks that built the same
     logical model differently, so the order is (part index, FQN as a plain
     string); a tied parameter appears once, under its smallest FQN.
+
+    Args:
+        model_parts: one module, or the model parts this rank holds (a
+            pipeline stage's chunks), in the same order on every rank.
+
+    Yields:
+        ``(fqn, parameter)``, each distinct parameter once.
+
+    Raises:
+        TypeError: a part is not an ``nn.Module``.
+
+    Example::
+
+        for fqn, p in fsdptx.iter_unique_named_parameters([model]):
+            ...  # the same order on every rank
     """
-    yield from _iter_unique_named(  # type: ignore[misc]
-        model_parts, lambda m: m.named_parameters(remove_duplicate=False)
-    )
+    yield from _iter_unique_named(model_parts, lambda m: m.named_parameters(remove_duplicate=False))
 
 
 def iter_unique_named_buffers(
     model_parts: Sequence[nn.Module] | nn.Module,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(fqn, buffer)`` once per distinct buffer, in the same rank-stable
-    order as :func:`iter_unique_named_parameters` (persistent or not)."""
+    order as :func:`iter_unique_named_parameters` (persistent or not).
+
+    Args:
+        model_parts: one module, or the model parts this rank holds.
+
+    Yields:
+        ``(fqn, buffer)``, each distinct buffer once.
+
+    Raises:
+        TypeError: a part is not an ``nn.Module``.
+
+    Example::
+
+        names = [fqn for fqn, _ in fsdptx.iter_unique_named_buffers(model)]
+    """
     yield from _iter_unique_named(model_parts, lambda m: m.named_buffers(remove_duplicate=False))

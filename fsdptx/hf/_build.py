@@ -27,7 +27,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ._declarations import _names
+from ..core._names import name_tokens as _names
 
 __all__ = ["build_hf_model", "require_transformers"]
 

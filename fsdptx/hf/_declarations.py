@@ -73,10 +73,13 @@ treat a rule that matches nothing as unused, as HF does (it warns).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
+
+# One rule for names (a bare string is one name), shared with every layer.
+from ..core._names import name_tokens as _names
 
 __all__ = [
     "hf_expert_modules",
@@ -139,22 +142,6 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     rules are not included (see :func:`hf_expert_modules`).
     """
     return _merged_plan(model, "_tp_plan")
-
-
-def _names(value: object, attribute: str) -> tuple[str, ...]:
-    """A collection of names; a bare string would silently iterate its letters."""
-    if value is None:
-        return ()
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(
-            f"{attribute} must be a list or set of names, got {type(value).__name__} {value!r};"
-            f" write [{value!r}] for one name"
-        )
-    names = tuple(value)
-    bad = [n for n in names if not isinstance(n, str)]
-    if bad:
-        raise TypeError(f"{attribute} must hold str names, found {bad!r}")
-    return names
 
 
 def hf_fp32_compute_tokens(model: nn.Module, compute_dtype: torch.dtype | None) -> tuple[str, ...]:

@@ -25,6 +25,14 @@ def patch_is_packed_sequence() -> bool:
     Idempotent; returns whether the check is patched (False without
     ``transformers``, or with a version that has no such check: nothing to
     patch, so nothing is added to it).
+
+    Returns:
+        Whether the check is patched.
+
+    Example::
+
+        if not fsdptx.patch_is_packed_sequence():
+            print("nothing to patch")
     """
     try:
         from transformers import modeling_flash_attention_utils as fa

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..core._caches import memo_property
 from ..core._globs import WRAPPER_SEGMENTS, innermost, match_logical, unwrap
+from ..core._names import name_tokens, natural_key
 from ..core._tree import get_module_from_path, join_fqn
 from ._unit_checks import is_container
 from ._walk import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
@@ -22,7 +23,18 @@ from ._walk import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
 __all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_blocks"]
 
 class PlanningError(ValueError):
-    """A request cannot be planned for this model; raised before any mutation."""
+    """A request cannot be planned for this model; raised before any mutation.
+
+    A ``ValueError``, so callers that catch bad arguments catch it too; the
+    message names the modules or globs concerned and says what to change.
+
+    Example::
+
+        try:
+            fsdptx.plan(model, functools.partial(fsdptx.shard_by_dtype, blocks=["layer.*"]))
+        except fsdptx.PlanningError as e:
+            print(e)  # names the glob that matched nothing
+    """
 
 
 def unwrap_checkpoint(module: nn.Module) -> nn.Module:
@@ -242,26 +254,6 @@ class ModelIndex:
         return found
 
 
-def _natural(fqn: str) -> tuple[tuple[int, int | str], ...]:
-    """Sort key reading index segments as numbers: ``layers.2`` before ``layers.10``."""
-    return tuple((0, int(seg)) if seg.isdigit() else (1, seg) for seg in fqn.split("."))
-
-
-def _declared_names(model: nn.Module, attribute: str) -> tuple[str, ...]:
-    """Class names a model declares: a bare string is one name (not its
-    letters); anything else must be a collection of strings."""
-    value = getattr(model, attribute, None)
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
-        raise TypeError(
-            f"{type(model).__name__}.{attribute} must be a list of class names, got {value!r}"
-        )
-    return tuple(value)
-
-
 def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[str, ...]:
     """The model's repeated blocks, by the conventions models already declare.
 
@@ -276,7 +268,7 @@ def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[
     An empty result means none was found: callers say so.
     """
     idx = index or ModelIndex.build(model)
-    class_names = set(_declared_names(model, "_no_split_modules"))
+    class_names = set(name_tokens(getattr(model, "_no_split_modules", None), "_no_split_modules", type(model).__name__))
     if class_names:
         found = _blocks_of_classes(idx, class_names)
         if found:
@@ -311,7 +303,7 @@ def _blocks_of_classes(idx: ModelIndex, class_names: Collection[str]) -> tuple[s
         fqn = _outermost(fqn)
         if fqn and not any(fqn == f or fqn.startswith(f + ".") for f in found[-1:]):
             found.append(fqn)
-    return tuple(sorted(found, key=_natural))
+    return tuple(sorted(found, key=natural_key))
 
 
 def resolve_blocks(spec: Sequence[str], index: ModelIndex, where: str) -> tuple[str, ...]:
@@ -328,7 +320,7 @@ def resolve_blocks(spec: Sequence[str], index: ModelIndex, where: str) -> tuple[
         elif "." not in entry and "*" not in entry and entry in classes:
             matched = _blocks_of_classes(index, (entry,))
         else:
-            matched = tuple(sorted({_outermost(f) for f in index.match(entry)}, key=_natural))
+            matched = tuple(sorted({_outermost(f) for f in index.match(entry)}, key=natural_key))
         if not matched:
             raise PlanningError(
                 f"{where}: blocks entry {entry!r} matches no module of {type(index.root).__name__} "

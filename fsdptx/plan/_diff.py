@@ -9,17 +9,16 @@ about FQNs differing only in their block indices are collapsed into one,
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._types import Plan, Unit, summarize_modules
+from ..core._names import collapse_keyed, join_names
+from ._types import Plan, Unit
 
 __all__ = ["PlanDiff", "diff_plans"]
 
 _NONE = "(none)"
-_INDEX = re.compile(r"(?<![^.])\d+(?![^.])")
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,16 @@ class PlanDiff:
     """The differences between two plans, one readable line each.
 
     Falsy and empty (``str`` is ``""``) exactly when the plans are equal;
-    ``str`` joins the lines for a review comment or a test failure."""
+    ``str`` joins the lines for a review comment or a test failure.
+
+    Attributes:
+        lines: one line per change, block indices collapsed.
+
+    Example::
+
+        d = fsdptx.diff_plans(before, after)
+        assert not d or str(d).splitlines() == list(d.lines)
+    """
 
     lines: tuple[str, ...] = ()
 
@@ -41,32 +49,12 @@ class PlanDiff:
         return "\n".join(self.lines)
 
 
-def _indices(values: list[int]) -> str:
-    """``[0, 1, 2, 3]`` -> ``{0..3}``; ``[0, 2, 5]`` -> ``{0,2,5}``."""
-    ordered = sorted(set(values))
-    if len(ordered) == 1:
-        return str(ordered[0])
-    if ordered == list(range(ordered[0], ordered[-1] + 1)):
-        return f"{{{ordered[0]}..{ordered[-1]}}}"
-    return "{" + ",".join(map(str, ordered)) + "}"
-
-
 def collapse(items: Iterable[tuple[str, str]]) -> list[str]:
     """``(fqn, what changed)`` pairs as lines, one per change and FQN
-    pattern: FQNs that differ only in numeric segments and say the same
-    thing share one line, their indices written as ranges. Order: first
-    appearance."""
-    groups: dict[tuple[str, str], list[list[int]]] = {}
-    for fqn, text in items:
-        numbers = [int(n) for n in _INDEX.findall(fqn)]
-        groups.setdefault((_INDEX.sub("#", fqn), text), []).append(numbers)
-    lines = []
-    for (pattern, text), members in groups.items():
-        shown = pattern
-        for position in range(pattern.split(".").count("#")):
-            shown = shown.replace("#", _indices([m[position] for m in members]), 1)
-        lines.append(f"{shown or '<root>'}: {text}" if text else shown or "<root>")
-    return lines
+    pattern: FQNs that differ only in index segments and say the same
+    thing share one line (:func:`~fsdptx.core._names.collapse_keyed`).
+    Order: first appearance."""
+    return [f"{label}: {text}" if text else label for label, text, _names in collapse_keyed(items)]
 
 
 def _short(value: Any) -> str:
@@ -103,7 +91,7 @@ def _relative(module: str, params: list[str]) -> str:
     prefix = module + "." if module else ""
     if len(params) and all(p.startswith(prefix) for p in params):
         params = [p[len(prefix):] for p in params]
-    return ", ".join(collapse((p, "") for p in params))
+    return join_names(params)
 
 
 def _units(a: tuple[Unit, ...], b: tuple[Unit, ...]) -> list[str]:
@@ -116,9 +104,9 @@ def _units(a: tuple[Unit, ...], b: tuple[Unit, ...]) -> list[str]:
     new = {u.modules: u for u in b}
     for modules, gone in old.items():
         if modules not in new:
-            items.append((summarize_modules(modules), f"{gone.kind} unit removed"))
+            items.append((join_names(modules), f"{gone.kind} unit removed"))
     for modules, v in new.items():
-        name = summarize_modules(modules)
+        name = join_names(modules)
         u = old.get(modules)
         if u is None:
             items.append((name, f"new {v.kind} unit of {len(v.params)} params"))
@@ -139,7 +127,7 @@ def _units(a: tuple[Unit, ...], b: tuple[Unit, ...]) -> list[str]:
     lines = collapse(items)
     kept = [m for m in new if m in old]
     if [m for m in old if m in new] != kept:
-        lines.append("unit order changes: " + ", ".join(summarize_modules(m) for m in kept))
+        lines.append("unit order changes: " + ", ".join(join_names(m) for m in kept))
     return lines
 
 
@@ -186,9 +174,9 @@ def _membership(name: str, a: tuple[str, ...], b: tuple[str, ...]) -> list[str]:
     removed = [m for m in a if m not in b]
     lines = []
     if added:
-        lines.append(f"{name} gains " + ", ".join(collapse((m, "") for m in added)))
+        lines.append(f"{name} gains " + join_names(added))
     if removed:
-        lines.append(f"{name} loses " + ", ".join(collapse((m, "") for m in removed)))
+        lines.append(f"{name} loses " + join_names(removed))
     return lines
 
 

@@ -21,7 +21,7 @@ __all__ = ["RequestFn", "reads_no_units", "request_of", "request_transform", "un
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# (model, plan, index, **options) -> plan with the request recorded.
+# (model, plan, /, **options) -> plan with the request recorded.
 RequestFn = Callable[..., Any]
 
 _REQUEST_ATTR = "_fsdptx_request"
@@ -30,8 +30,9 @@ _UNIT_BLIND_ATTR = "_fsdptx_unit_blind"
 
 def request_transform(request_fn: RequestFn) -> Callable[[F], F]:
     """Declare a sharding transform whose effect, inside ``compose``, is
-    ``request_fn(model, plan, index, **options)``: it records a request and
-    resolves nothing."""
+    ``request_fn(model, plan, **options)``: it records a request and
+    resolves nothing (the model index is the one ``compose`` shares
+    through ``plan.scratch``)."""
 
     def mark(fn: F) -> F:
         setattr(fn, _REQUEST_ATTR, request_fn)

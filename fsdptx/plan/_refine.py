@@ -6,11 +6,11 @@ Plan; ``apply_plan`` carries the result out."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import get_args
 
 from torch import nn
 
+from ..core._names import Names
 from ..model._index import PlanningError
 from ._kinds import unit_blind
 from ._transforms import block_fqns, model_index
@@ -34,7 +34,7 @@ def checkpoint_activations(
     /,
     *,
     mode: CheckpointMode = "full",
-    blocks: Sequence[str] | None = None,
+    blocks: Names | None = None,
 ) -> Plan:
     """Checkpoint activations of each block: ``"full"`` keeps only each
     block's input and recomputes the rest in backward; ``"selective"`` also
@@ -45,6 +45,24 @@ def checkpoint_activations(
     module), so parameter FQNs and ``state_dict()`` keys are unchanged.
     Blocks default to the model's (``_no_split_modules`` or the largest
     ``nn.ModuleList``).
+
+    Args:
+        model: the model, only read.
+        plan: the Plan so far (positional only: the transform protocol).
+        mode: ``"full"`` or ``"selective"``.
+        blocks: class names, FQNs or globs of the blocks; discovered when
+            ``None``.
+
+    Returns:
+        A new Plan recording the checkpointing request.
+
+    Raises:
+        PlanningError: an unknown mode, or no blocks found.
+
+    Example::
+
+        ac = functools.partial(fsdptx.checkpoint_activations, mode="selective")
+        p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, ac))
     """
     if mode not in CHECKPOINT_MODES:
         raise PlanningError(f"checkpoint_activations: unknown mode {mode!r}; use one of {CHECKPOINT_MODES}")
@@ -83,6 +101,20 @@ def reshard_policy(model: nn.Module, plan: Plan, /, *, pipeline_parallel: bool =
     reshards: a stage runs several micro-batches' forwards before their
     backwards, and would re-gather each time. An explicit value, given to
     ``plan()`` or ``shard_by_dtype``, wins.
+
+    Args:
+        model: the model, only read.
+        plan: the Plan so far (positional only: the transform protocol).
+        pipeline_parallel: whether the model is a pipeline stage (nothing
+            reshards).
+
+    Returns:
+        A new Plan whose units all have an explicit ``reshard_after_forward``.
+
+    Example::
+
+        p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.reshard_policy))
+        assert p.units[-1].reshard_after_forward is False  # the root
     """
     del model
     blocks = block_units(plan)
@@ -110,6 +142,23 @@ def prefetch(model: nn.Module, plan: Plan, /, *, forward_depth: int = 1, backwar
     holding that many more blocks unsharded. Nothing is chained when no block
     unit reshards after forward (its parameters are never freed, so there is
     nothing to fetch ahead).
+
+    Args:
+        model: the model, only read.
+        plan: the Plan so far (positional only: the transform protocol).
+        forward_depth: how many block units forward all-gathers ahead.
+        backward_depth: how many block units backward all-gathers ahead.
+
+    Returns:
+        A new Plan with the prefetch chains (none when nothing reshards).
+
+    Raises:
+        PlanningError: a depth is not a non-negative int.
+
+    Example::
+
+        deeper = functools.partial(fsdptx.prefetch, forward_depth=2)
+        p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.reshard_policy, deeper))
     """
     del model
     for name, depth in (("forward_depth", forward_depth), ("backward_depth", backward_depth)):
@@ -137,6 +186,17 @@ def reduce_unused_params(model: nn.Module, plan: Plan, /) -> Plan:
     Needed with context parallelism (packed or modality-dependent batches):
     a rank whose gradient is ``None`` would otherwise skip a reduce-scatter
     its peers enter, and the job hangs.
+
+    Args:
+        model: the model, only read.
+        plan: the Plan so far (positional only: the transform protocol).
+
+    Returns:
+        A new Plan whose units reduce-scatter zeros for unused parameters.
+
+    Example::
+
+        p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.reduce_unused_params))
     """
     del model
     return plan.replace(reduce_unused_params=True)

@@ -11,19 +11,20 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Collection, Mapping
+from typing import Concatenate, ParamSpec, Protocol
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from ..core._args import require_module
+from ..core._names import Names, name_tokens, natural_key
 from ..core._policy import check_policy_dtypes
 from ..hf import hf_fp32_compute_tokens, hf_replica_reductions
-from ..model._index import ModelIndex, PlanningError, _natural, resolve_blocks
+from ..model._index import ModelIndex, PlanningError, resolve_blocks
 from ._kinds import reads_no_units as _reads_no_units, request_of as _request_of, request_transform, unit_blind
 from ._resolve import resolve_units
-from ._types import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, marks_under_exclusions, preview
+from ._types import REDUCTIONS, CrossBlockRequest, DtypeRequest, Plan, Reduction, Unit, is_reduction, marks_under_exclusions, preview
 from ._vouch import vouch, vouch_marks
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "shard_by_dtype",
 ]
 
+_P = ParamSpec("_P")
+
 
 class Transform(Protocol):
     """Reads a model and returns a new Plan; never mutates either.
@@ -42,6 +45,13 @@ class Transform(Protocol):
     The sharding transforms resolve ``Plan.units`` from the requests recorded
     in the Plan, replacing whatever units it held: a transform of your own that
     edits units should run after them.
+
+    Example::
+
+        def no_reshard(model: nn.Module, plan: fsdptx.Plan, /) -> fsdptx.Plan:
+            return plan.replace(units=tuple(dataclasses.replace(u, reshard_after_forward=False) for u in plan.units))
+
+        p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, no_reshard))
     """
 
     def __call__(self, model: nn.Module, plan: Plan, /) -> Plan: ...
@@ -78,6 +88,22 @@ def compose(*transforms: Transform) -> Transform:
     is the one applying them one by one gives; only an intermediate state
     that cannot be planned on its own (say, blocks whose fp32 holders are
     isolable only once a cross-block unit owns them) is never resolved.
+
+    Args:
+        *transforms: transforms, applied left to right.
+
+    Returns:
+        One transform; a Plan that went through it never depends on the
+        order of the sharding transforms among ``transforms``.
+
+    Raises:
+        TypeError: a transform is not callable (here), or one returns
+            something other than a Plan (when the pipeline runs).
+
+    Example::
+
+        pipeline = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
+        p = fsdptx.plan(model, pipeline)
     """
 
     for i, t in enumerate(transforms):
@@ -95,7 +121,7 @@ def compose(*transforms: Transform) -> Transform:
             request = _request_of(t)
             if request is not None:
                 fn, options = request
-                p = fn(model, p, model_index(model, p), **options)
+                p = fn(model, p, **options)
                 pending = True
                 continue
             if pending and not _reads_no_units(t):
@@ -121,6 +147,29 @@ def plan(
 
     ``mp_policy=None`` means mixed precision disabled. Pure: the model is only
     read, so this is safe on a meta-device skeleton or a live model alike.
+
+    Args:
+        model: the model to plan for; only read (a meta-device model works).
+        transform: a transform, usually a :func:`compose` pipeline.
+        mp_policy: the default policy units start from.
+        offload_policy: the default offload policy of every unit.
+        reshard_after_forward: the default reshard setting (``None``:
+            FSDP2's default, refined by :func:`reshard_policy`).
+
+    Returns:
+        The Plan, with what planning vouched for, so ``apply_plan`` on the
+        unchanged model skips re-deriving each unit's claims.
+
+    Raises:
+        TypeError: an argument has the wrong type, or the transform returns
+            something other than a Plan.
+        PlanningError: the request cannot be planned for this model (nothing
+            about the model is changed).
+
+    Example::
+
+        p = fsdptx.plan(model, fsdptx.shard_by_dtype, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        print(p)
     """
     require_module(model, "model", "plan")
     return plan_indexed(
@@ -197,6 +246,31 @@ def _on_moe_mesh(unit: Unit, experts: tuple[str, ...]) -> Unit:
     return dataclasses.replace(unit, mesh="moe", kind=kind)
 
 
+def sharding_transform(
+    request: Callable[Concatenate[nn.Module, Plan, _P], Plan],
+) -> Callable[Concatenate[nn.Module, Plan, _P], Plan]:
+    """Make the transform from its request function, so each sharding
+    transform's signature and docs are written once, on the request.
+
+    The request ``(model, plan, /, **options) -> Plan`` records what to
+    shard and resolves nothing; it is what ``compose`` runs for a fused run
+    of sharding transforms (declared with :func:`request_transform`), which
+    then resolves the units once. Called on its own, the transform records
+    the request and resolves the units at once, with one model walk shared
+    by both (a request that changes nothing returns the Plan as it was)."""
+
+    @functools.wraps(request)
+    def transform(model: nn.Module, plan: Plan, /, *args: _P.args, **kwargs: _P.kwargs) -> Plan:
+        index = model_index(model, plan)
+        scoped = plan if plan.scratch is index else plan.replace(scratch=index)
+        requested = request(model, scoped, *args, **kwargs)
+        if requested is scoped:
+            return plan
+        return _resolve(model, requested, index).replace(scratch=plan.scratch)
+
+    return request_transform(request)(transform)
+
+
 def check_reshard(value: object, where: str) -> bool | int | None:
     """``reshard_after_forward`` must be None, a bool, or a world size >= 1;
     caught here so a typo fails at planning, not inside the primitive after
@@ -209,14 +283,14 @@ def check_reshard(value: object, where: str) -> bool | int | None:
     )
 
 
-def block_fqns(blocks: Sequence[str] | None, index: ModelIndex, where: str) -> tuple[str, ...]:
+def block_fqns(blocks: Names | None, index: ModelIndex, where: str) -> tuple[str, ...]:
     """The target blocks: given (module FQNs, class names or globs: see
     :func:`~fsdptx.plan._resolve.resolve_blocks`), or discovered; never
     nested in one another (a block inside another would be silently
     absorbed by it)."""
     if blocks is None:
         return index.blocks
-    targets = resolve_blocks(_tuple_of_str(blocks, "blocks"), index, where)
+    targets = resolve_blocks(name_tokens(blocks, "blocks", where), index, where)
     ordered = sorted(targets)
     for outer, inner in zip(ordered, ordered[1:]):
         if inner == outer or inner.startswith(outer + ".") or outer == "":
@@ -227,31 +301,62 @@ def block_fqns(blocks: Sequence[str] | None, index: ModelIndex, where: str) -> t
     return targets
 
 
-def _tuple_of_str(value: object, what: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, Iterable):
-        raise TypeError(f"{what} must be a string or strings, got {type(value).__name__}")
-    items: tuple[object, ...] = tuple(value)
-    bad = [v for v in items if not isinstance(v, str)]
-    if bad:
-        raise TypeError(f"{what} must be strings, got {bad!r}")
-    return items  # type: ignore[return-value]
-
-
-def _request_dtype(
+@sharding_transform
+def shard_by_dtype(
     model: nn.Module,
     plan: Plan,
-    index: ModelIndex,
+    /,
     *,
-    blocks: Sequence[str] | None = None,
-    fp32_compute_module_names: Collection[str] | None = None,
-    ignored_params: Collection[str] = (),
+    blocks: Names | None = None,
+    fp32_compute_module_names: Names | None = None,
+    ignored_params: Names = (),
     reshard_after_forward: bool | int | None = None,
-    expert_modules: Collection[str] | None = None,
+    expert_modules: Names | None = None,
 ) -> Plan:
+    """Plan dtype-uniform FSDP units for every block, then the root.
+
+    The root comes last and owns what no block unit owns (embeddings, final
+    norm, head), so after apply every parameter belongs to exactly one unit.
+    Each target follows the 1 / 2 / 3+ (storage, compute) group rule of
+    :func:`fsdptx.fully_shard_by_dtype`.
+
+    Defaults come from the model: ``blocks`` from ``_no_split_modules`` (or the
+    largest ``nn.ModuleList``), pinned fp32 name tokens from
+    ``_keep_in_fp32_modules_strict`` (and, when the policy computes in fp16,
+    ``_keep_in_fp32_modules``: Hugging Face's rule). ``ignored_params`` are parameter FQNs no
+    unit may own (another parallelism owns them). ``reshard_after_forward``
+    falls back to the Plan's default. ``expert_modules`` (globs; default
+    ``_fsdptx_expert_modules``) are planned first, each on the MoE mesh, and
+    excluded from TP-replica sync.
+
+    Args:
+        model: the model, only read.
+        plan: the Plan so far (positional only: the transform protocol).
+        blocks: class names, FQNs or globs of the blocks; discovered when
+            ``None``.
+        fp32_compute_module_names: name tokens that compute in fp32 (a
+            bare string is one token); from the model when ``None``.
+        ignored_params: parameter FQNs no unit may own.
+        reshard_after_forward: every unit's reshard setting; the Plan's
+            default when ``None``.
+        expert_modules: globs of expert modules (one dotted segment per
+            ``*``); from the model when ``None``.
+
+    Returns:
+        A new Plan with the dtype request recorded and the units resolved.
+
+    Raises:
+        PlanningError: the plan already holds a dtype request, a module is
+            already ``fully_shard``-ed, blocks overlap, a glob matches nothing,
+            or parameters that mix dtypes sit directly on one module.
+        TypeError: a name argument holds something other than strings.
+
+    Example::
+
+        by_dtype = functools.partial(fsdptx.shard_by_dtype, fp32_compute_module_names=["sinks"])
+        p = fsdptx.plan(model, by_dtype, mp_policy=policy)
+    """
+    index = model_index(model, plan)
     _refuse_presharded(index, "shard_by_dtype")
     if plan.dtype_request is not None:
         raise PlanningError(
@@ -260,7 +365,7 @@ def _request_dtype(
         )
     targets = block_fqns(blocks, index, "shard_by_dtype")
     tokens = (
-        _tuple_of_str(fp32_compute_module_names, "fp32_compute_module_names")
+        name_tokens(fp32_compute_module_names, "fp32_compute_module_names", "shard_by_dtype")
         if fp32_compute_module_names is not None
         else hf_fp32_compute_tokens(model, plan.mp_policy.param_dtype if plan.mp_policy else None)
     )
@@ -268,7 +373,7 @@ def _request_dtype(
     request = DtypeRequest(
         targets=experts + tuple(t for t in targets if t) + ("",),
         fp32_compute_module_names=tokens,
-        ignored_params=_tuple_of_str(ignored_params, "ignored_params"),
+        ignored_params=name_tokens(ignored_params, "ignored_params", "shard_by_dtype"),
         reshard_after_forward=check_reshard(
             reshard_after_forward if reshard_after_forward is not None else plan.reshard_after_forward,
             "shard_by_dtype",
@@ -306,15 +411,15 @@ def _refuse_presharded(index: ModelIndex, where: str) -> None:
     )
 
 
-def _experts(model: nn.Module, index: ModelIndex, globs: Collection[str] | None) -> tuple[str, ...]:
+def _experts(model: nn.Module, index: ModelIndex, globs: Names | None) -> tuple[str, ...]:
     """Expert module FQNs from globs (one dotted segment per ``*``), or the
     model's ``_fsdptx_expert_modules``; planned before their blocks, so each
     is a unit of its own on the MoE mesh, and kept out of TP-replica sync
     (expert shards differ between ranks by design)."""
     patterns = (
-        _tuple_of_str(globs, "expert_modules")
+        name_tokens(globs, "expert_modules", "shard_by_dtype")
         if globs is not None
-        else _tuple_of_str(getattr(model, "_fsdptx_expert_modules", None), "_fsdptx_expert_modules")
+        else name_tokens(getattr(model, "_fsdptx_expert_modules", None), "_fsdptx_expert_modules")
     )
     found: list[str] = []
     for g in patterns:
@@ -322,66 +427,54 @@ def _experts(model: nn.Module, index: ModelIndex, globs: Collection[str] | None)
         if not matched:
             raise PlanningError(f"shard_by_dtype: expert module glob {g!r} matches no module of the model")
         found.extend(f for f in matched if f not in found)
-    return tuple(sorted(found, key=_natural))
+    return tuple(sorted(found, key=natural_key))
 
 
-@request_transform(_request_dtype)
-def shard_by_dtype(
+@sharding_transform
+def shard_across_blocks(
     model: nn.Module,
     plan: Plan,
     /,
     *,
-    blocks: Sequence[str] | None = None,
-    fp32_compute_module_names: Collection[str] | None = None,
-    ignored_params: Collection[str] = (),
-    reshard_after_forward: bool | int | None = None,
-    expert_modules: Collection[str] | None = None,
+    blocks: Names | None = None,
+    module_names: Names | None = None,
 ) -> Plan:
-    """Plan dtype-uniform FSDP units for every block, then the root.
+    """Plan one FSDP unit per name, spanning every block's instance of it.
 
-    The root comes last and owns what no block unit owns (embeddings, final
-    norm, head), so after apply every parameter belongs to exactly one unit.
-    Each target follows the 1 / 2 / 3+ (storage, compute) group rule of
-    :func:`fsdptx.fully_shard_by_dtype`.
+    Defaults: ``blocks`` as in :func:`shard_by_dtype`, ``module_names`` from the
+    model's ``_fsdp_shard_across_blocks``. A model that declares no names gets
+    the Plan back unchanged, so the transform is safe in a generic pipeline.
 
-    Defaults come from the model: ``blocks`` from ``_no_split_modules`` (or the
-    largest ``nn.ModuleList``), pinned fp32 name tokens from
-    ``_keep_in_fp32_modules_strict`` (and, when the policy computes in fp16,
-    ``_keep_in_fp32_modules``: Hugging Face's rule). ``ignored_params`` are parameter FQNs no
-    unit may own (another parallelism owns them). ``reshard_after_forward``
-    falls back to the Plan's default. ``expert_modules`` (globs; default
-    ``_fsdptx_expert_modules``) are planned first, each on the MoE mesh, and
-    excluded from TP-replica sync.
+    Args:
+        model: the model, only read.
+        plan: the Plan so far (positional only: the transform protocol).
+        blocks: class names, FQNs or globs of the blocks; discovered when
+            ``None``.
+        module_names: block-relative names of the fp32 holders (``"sinks"``,
+            or ``"self_attn"`` for the sinks it owns directly); a bare string
+            is one name; from ``_fsdp_shard_across_blocks`` when ``None``.
+
+    Returns:
+        A new Plan with one cross-block unit per name (the same Plan when no
+        names are given or declared).
+
+    Raises:
+        PlanningError: no blocks were found, a name is in no block, or a
+            module is already ``fully_shard``-ed.
+
+    Example::
+
+        holders = functools.partial(fsdptx.shard_across_blocks, module_names=["attn.sinks"])
+        p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, holders))
     """
-    index = model_index(model, plan)
-    requested = _request_dtype(
-        model,
-        plan,
-        index,
-        blocks=blocks,
-        fp32_compute_module_names=fp32_compute_module_names,
-        ignored_params=ignored_params,
-        reshard_after_forward=reshard_after_forward,
-        expert_modules=expert_modules,
-    )
-    return _resolve(model, requested, index)
-
-
-def _request_cross_blocks(
-    model: nn.Module,
-    plan: Plan,
-    index: ModelIndex,
-    *,
-    blocks: Sequence[str] | None = None,
-    module_names: Sequence[str] | None = None,
-) -> Plan:
     names = (
-        _tuple_of_str(module_names, "module_names")
+        name_tokens(module_names, "module_names", "shard_across_blocks")
         if module_names is not None
-        else _tuple_of_str(getattr(model, "_fsdp_shard_across_blocks", None), "_fsdp_shard_across_blocks")
+        else name_tokens(getattr(model, "_fsdp_shard_across_blocks", None), "_fsdp_shard_across_blocks")
     )
     if not names:
         return plan
+    index = model_index(model, plan)
     _refuse_presharded(index, "shard_across_blocks")
     targets = block_fqns(blocks, index, "shard_across_blocks")
     if not targets:
@@ -391,26 +484,6 @@ def _request_cross_blocks(
         )
     request = CrossBlockRequest(blocks=targets, names=names)
     return plan.replace(cross_block_requests=plan.cross_block_requests + (request,))
-
-
-@request_transform(_request_cross_blocks)
-def shard_across_blocks(
-    model: nn.Module,
-    plan: Plan,
-    /,
-    *,
-    blocks: Sequence[str] | None = None,
-    module_names: Sequence[str] | None = None,
-) -> Plan:
-    """Plan one FSDP unit per name, spanning every block's instance of it.
-
-    Defaults: ``blocks`` as in :func:`shard_by_dtype`, ``module_names`` from the
-    model's ``_fsdp_shard_across_blocks``. A model that declares no names gets
-    the Plan back unchanged, so the transform is safe in a generic pipeline.
-    """
-    index = model_index(model, plan)
-    requested = _request_cross_blocks(model, plan, index, blocks=blocks, module_names=module_names)
-    return plan if requested is plan else _resolve(model, requested, index)
 
 
 
@@ -455,7 +528,7 @@ def mark_reduction(
     /,
     *,
     reductions: Mapping[str, str] | None = None,
-    exclude: Collection[str] | None = None,
+    exclude: Names | None = None,
 ) -> Plan:
     """Record TP-replica gradient reductions and exclusions in the Plan.
 
@@ -468,6 +541,28 @@ def mark_reduction(
     implies. A glob that
     matches nothing is an error: it is almost always a typo that would
     otherwise silently leave gradients unsynchronized.
+
+    Args:
+        model: the model, only read.
+        plan: the Plan so far (positional only: the transform protocol).
+        reductions: module-FQN glob -> ``"mean"`` or ``"sum"``; from the model
+            when ``None``.
+        exclude: module-FQN globs of subtrees kept out of TP-replica sync (a
+            bare string is one glob); from the model when ``None``.
+
+    Returns:
+        A new Plan with the marks and exclusions recorded.
+
+    Raises:
+        TypeError: ``reductions`` is not a mapping.
+        ValueError: a reduction is neither ``"mean"`` nor ``"sum"``.
+        PlanningError: a glob matches no module (or no module owning a
+            parameter), or one parameter gets both reductions.
+
+    Example::
+
+        marks = functools.partial(fsdptx.mark_reduction, reductions={"layers.*.router": "sum"})
+        p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, marks))
     """
     require_module(model, "model", "mark_reduction")
     if reductions is not None and not isinstance(reductions, Mapping):
@@ -477,10 +572,11 @@ def mark_reduction(
         )
     index = model_index(model, plan)
     marks = dict(reductions) if reductions is not None else _declared_reductions(model, index)
-    globs = _tuple_of_str(
-        exclude if exclude is not None else getattr(model, "_tp_replica_sync_exclude", None), "exclude"
+    globs = name_tokens(
+        exclude if exclude is not None else getattr(model, "_tp_replica_sync_exclude", None), "exclude", "mark_reduction"
     )
-    bad = {g: r for g, r in marks.items() if r not in REDUCTIONS}
+    valid: dict[str, Reduction] = {g: r for g, r in marks.items() if is_reduction(r)}
+    bad = {g: r for g, r in marks.items() if g not in valid}
     if bad:
         raise ValueError(
             "mark_reduction: unknown reduction "
@@ -490,7 +586,7 @@ def mark_reduction(
     matches = _matching(index, [*marks, *globs])
     out: dict[str, Reduction] = dict(plan.reductions)
     source: dict[str, str] = {}
-    for pattern, reduction in marks.items():
+    for pattern, reduction in valid.items():
         matched = matches[pattern]
         if not matched:
             raise PlanningError(f"mark_reduction: reduction glob {pattern!r} matches no module of the model")
@@ -508,7 +604,7 @@ def mark_reduction(
                         f"mark_reduction: parameter {pfqn!r} is marked both {out[pfqn]!r}"
                         f" (by {source.get(pfqn, 'an earlier mark')!r}) and {reduction!r} (by {pattern!r})"
                     )
-                out[pfqn] = reduction  # type: ignore[assignment]
+                out[pfqn] = reduction
                 source[pfqn] = pattern
     excluded = list(plan.exclusions)
     for pattern in globs:

@@ -8,14 +8,21 @@ applied later by :func:`fsdptx.apply_plan`.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from ..core._names import ROOT, collapse_keyed, index_runs, join_names
+from ..core._sizes import format_bytes
+
+if TYPE_CHECKING:
+    # For the annotation of Plan.scratch only: model is below plan, so this
+    # is no upward edge, and nothing is imported at run time.
+    from ..model._index import ModelIndex
 
 __all__ = [
     "Checkpointing",
@@ -31,10 +38,18 @@ __all__ = [
     "Unit",
     "UnitKind",
     "UnitMesh",
+    "Verification",
+    "is_reduction",
 ]
 
 Reduction = Literal["mean", "sum"]
 REDUCTIONS: tuple[Reduction, ...] = ("mean", "sum")
+
+
+def is_reduction(value: object) -> TypeGuard[Reduction]:
+    """Whether ``value`` is one of :data:`REDUCTIONS` (so typed as one)."""
+    return value in REDUCTIONS
+
 UnitKind = Literal["cross-block", "dtype", "block", "expert", "root"]
 # Which mesh a unit shards over: the dense data-parallel mesh, or the MoE
 # mesh's data-parallel dims (expert modules, whose ranks are laid out for
@@ -51,6 +66,29 @@ class Unit:
     spans modules (one ``fully_shard([...])`` call, one parameter group).
     ``params`` are the parameter FQNs the unit will own: exactly what the
     primitive claims given ``ignored_params`` and the units applied before it.
+
+    Attributes:
+        modules: the module FQNs the unit spans (``""`` is the root).
+        params: the parameter FQNs it owns.
+        ignored_params: parameter FQNs under it that another unit owns.
+        kind: ``"cross-block"``, ``"dtype"``, ``"block"``, ``"expert"`` or
+            ``"root"``.
+        storage_dtype: the dtype its trainable parameters are stored in.
+        compute_dtype: the dtype they compute in (the policy's
+            ``param_dtype``).
+        mp_policy: the unit's policy; ``None`` means disabled.
+        offload_policy: the unit's offload policy.
+        reshard_after_forward: ``None`` (FSDP2's default), a bool, or a group
+            size.
+        numel: elements owned.
+        nbytes: bytes owned, at the storage dtype.
+        mesh: ``"dp"`` or ``"moe"`` (expert units).
+        reasons: why the planner chose what the policy alone would not say.
+
+    Example::
+
+        unit = p.units[0]
+        print(unit.kind, unit.modules, unit.compute_dtype)
     """
 
     modules: tuple[str, ...]
@@ -104,7 +142,18 @@ class TPAssignment:
     request to a concrete module FQN. ``style`` is the readable name the Plan
     shows and compares; ``parallel_style`` is the torch object handed to
     ``parallelize_module`` (torch styles define no equality, so it is not
-    part of the Plan's value)."""
+    part of the Plan's value).
+
+    Attributes:
+        module: the module FQN the style applies to.
+        style: the style's readable name (compared and printed).
+        pattern: the request's glob that matched ``module``.
+        parallel_style: the torch ``ParallelStyle`` object applied.
+
+    Example::
+
+        styles = {a.module: a.style for a in p.tensor_parallel.assignments}
+    """
 
     module: str
     style: str
@@ -135,7 +184,21 @@ class TensorParallel:
     Face's ``replicated_with_grad_allreduce``, which becomes a TP-replica
     reduction mark instead. ``stream`` is the residual stream's layout at
     each module, in forward order; ``loss_parallel`` whether the head keeps
-    its logits vocabulary-sharded."""
+    its logits vocabulary-sharded.
+
+    Attributes:
+        assignments: one per module, in FQN order.
+        sequence_parallel: whether the residual stream is sequence-sharded.
+        skipped: ``(pattern, style, why)`` of declared entries not applied
+            as a torch style.
+        loss_parallel: whether the head keeps its logits vocabulary-sharded.
+        stream: the residual stream's layout at each module, forward order.
+
+    Example::
+
+        tp = fsdptx.plan(model, functools.partial(fsdptx.tensor_parallel, sequence_parallel=True)).tensor_parallel
+        assert tp is not None and tp.sequence_parallel
+    """
 
     assignments: tuple[TPAssignment, ...]
     sequence_parallel: bool
@@ -146,7 +209,17 @@ class TensorParallel:
 
 @dataclass(frozen=True)
 class Checkpointing:
-    """Activation checkpointing requested for ``modules`` (the blocks)."""
+    """Activation checkpointing requested for ``modules`` (the blocks).
+
+    Attributes:
+        mode: ``"full"`` or ``"selective"``.
+        modules: the block FQNs checkpointed.
+
+    Example::
+
+        if p.checkpointing is not None:
+            print(p.checkpointing.mode, len(p.checkpointing.modules))
+    """
 
     mode: CheckpointMode
     modules: tuple[str, ...]
@@ -155,7 +228,17 @@ class Checkpointing:
 @dataclass(frozen=True)
 class Prefetch:
     """Explicit FSDP prefetch chain of one unit (named by its first module):
-    which units it all-gathers ahead of time in forward and in backward."""
+    which units it all-gathers ahead of time in forward and in backward.
+
+    Attributes:
+        unit: the first module of the unit that prefetches.
+        forward: the units (by first module) it all-gathers ahead in forward.
+        backward: the units it all-gathers ahead in backward.
+
+    Example::
+
+        chains = {c.unit: c.forward for c in p.prefetch}
+    """
 
     unit: str
     forward: tuple[str, ...]
@@ -207,6 +290,16 @@ class FrozenReductions(Mapping[str, Reduction]):
         return (FrozenReductions, (self._items,))
 
 
+class Verification(Protocol):
+    """What a Plan's ``verified`` holds: :class:`fsdptx.plan._vouch.Vouched`,
+    described here by what every reader checks first (that it vouches for
+    these very ``units``), since ``_vouch`` imports this module and the
+    class itself cannot be named here without a cycle."""
+
+    @property
+    def units(self) -> tuple[Unit, ...]: ...
+
+
 @dataclass(frozen=True)
 class Plan:
     """Immutable result of planning; ``units`` are in application order
@@ -214,7 +307,33 @@ class Plan:
     TP-replica gradient reduction; ``exclusions`` are module FQNs whose subtree
     stays rank-local. ``mp_policy``/``offload_policy``/``reshard_after_forward``
     are the defaults transforms start from (``None`` policy: mixed precision
-    disabled)."""
+    disabled).
+
+    Attributes:
+        units: the FSDP units, in application order.
+        reductions: parameter FQN -> ``"mean"`` or ``"sum"``.
+        exclusions: module FQNs kept out of TP-replica sync.
+        mp_policy: the default policy transforms start from.
+        offload_policy: the default offload policy.
+        reshard_after_forward: the default reshard setting.
+        dtype_request: what ``shard_by_dtype`` asked for, if anything.
+        cross_block_requests: what ``shard_across_blocks`` asked for.
+        tensor_parallel: the TP request, resolved per module.
+        checkpointing: the activation-checkpointing request.
+        prefetch: the explicit prefetch chains.
+        reduce_unused_params: whether units reduce-scatter zeros for unused
+            parameters.
+        expert_modules: module FQNs of experts, sharded over the MoE mesh.
+        warnings: what a reader must know before trusting the plan.
+        scratch: planning's model index; ``None`` outside ``plan()``.
+        verified: what planning vouched for; not part of the value.
+
+    Example::
+
+        p = fsdptx.plan(model, fsdptx.shard_by_dtype)
+        print(p)  # one row per unit
+        assert p == fsdptx.plan_from_json(fsdptx.plan_to_json(p))
+    """
 
     units: tuple[Unit, ...] = ()
     reductions: Mapping[str, Reduction] = field(default_factory=FrozenReductions)
@@ -238,12 +357,12 @@ class Plan:
     # Read-only index of the model being planned, shared by the transforms of
     # one fsdptx.plan() call so the model is walked once; plan() drops it
     # before returning. Not part of the Plan's value.
-    scratch: object | None = field(default=None, compare=False, repr=False)
+    scratch: ModelIndex | None = field(default=None, compare=False, repr=False)
     # What planning vouches for (fsdptx.plan._vouch.Vouched): the
     # signature of the model these very units were resolved against, so
     # apply_plan can skip re-deriving their claims while the model is
     # unchanged. Not part of the Plan's value; new units drop its use.
-    verified: object | None = field(default=None, compare=False, repr=False)
+    verified: Verification | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
@@ -257,9 +376,9 @@ class Plan:
         refer to live objects of this process, so a copy is checked in full."""
         return {**self.__dict__, "scratch": None, "verified": None}
 
-    def replace(self, **changes: object) -> Plan:
+    def replace(self, **changes: Any) -> Plan:
         """A copy with ``changes``; the Plan itself never changes."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        return dataclasses.replace(self, **changes)
 
     @property
     def owned_params(self) -> dict[str, int]:
@@ -331,25 +450,6 @@ def _dtype_name(d: torch.dtype | None) -> str:
     return "-" if d is None else str(d).removeprefix("torch.")
 
 
-def summarize_modules(modules: tuple[str, ...]) -> str:
-    """``layers.0.attn.sinks`` .. ``layers.39.attn.sinks`` -> ``layers.*.attn.sinks (x40)``."""
-    if len(modules) == 1:
-        return modules[0] or "<root>"
-    patterns = {re.sub(r"(?<![^.])\d+(?![^.])", "*", m) for m in modules}
-    if len(patterns) == 1:
-        return f"{patterns.pop()} (x{len(modules)})"
-    return f"{modules[0]} +{len(modules) - 1} more"
-
-
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 def format_plan(plan: Plan) -> str:
     """Render the plan as a fixed-width table, one row per unit in order."""
     header: tuple[str, ...] = ("#", "kind", "modules", "storage->compute", "params", "numel", "bytes", "reshard")
@@ -361,11 +461,11 @@ def format_plan(plan: Plan) -> str:
         row: tuple[str, ...] = (
             str(i),
             u.kind,
-            summarize_modules(u.modules),
+            join_names(u.modules),
             "-" if u.storage_dtype is None else f"{_dtype_name(u.storage_dtype)}->{_dtype_name(u.compute_dtype)}",
             str(len(u.params)),
             f"{u.numel:,}",
-            _human_bytes(u.nbytes),
+            format_bytes(u.nbytes),
             _reshard_cell(u),
         )
         rows.append(row + ("; ".join(u.reasons),) if why else row)
@@ -375,10 +475,10 @@ def format_plan(plan: Plan) -> str:
     table.insert(1, "  ".join("-" * w for w in widths))
     lines.extend(table)
     total = sum(u.nbytes for u in plan.units)
-    lines.append(f"{len(plan.units)} units, {_human_bytes(total)} of parameters")
+    lines.append(f"{len(plan.units)} units, {format_bytes(total)} of parameters")
     if any(u.mesh != "dp" for u in plan.units):
         moe = [i for i, u in enumerate(plan.units) if u.mesh == "moe"]
-        lines.append(f"sharded over the MoE mesh: units {_ranges(moe)}; all others over the dense mesh")
+        lines.append(f"sharded over the MoE mesh: units {index_runs(moe)}; all others over the dense mesh")
     lines.extend(_format_requests(plan))
     if plan.reductions:
         counts = {r: sum(1 for v in plan.reductions.values() if v == r) for r in REDUCTIONS}
@@ -388,7 +488,7 @@ def format_plan(plan: Plan) -> str:
             + " (unmarked replicated params: mean)"
         )
     if plan.exclusions:
-        lines.append("excluded from tp-replica sync: " + ", ".join(plan.exclusions))
+        lines.append("excluded from tp-replica sync: " + join_names(plan.exclusions))
     return "\n".join(lines)
 
 
@@ -399,47 +499,18 @@ def _reshard_cell(u: Unit) -> str:
     return str(reshards_after_forward(u))
 
 
-def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    out: list[str] = []
-    start = prev = None
-    for i in indices + [None]:
-        if start is not None and (i is None or i != prev + 1):  # type: ignore[operator]
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if i is not None and start is None:
-            start = i
-        prev = i
-    return ", ".join(out)
-
-
-def _collapse(fqns: tuple[str, ...]) -> list[str]:
-    """FQNs grouped by their pattern with indices as ``*``, each with a count."""
-    groups: dict[str, list[str]] = {}
-    for f in fqns:
-        groups.setdefault(re.sub(r"(?<![^.])\d+(?![^.])", "*", f), []).append(f)
-    return [summarize_modules(tuple(g)) if len(g) > 1 else g[0] or "<root>" for g in groups.values()]
-
-
 def _format_stream(steps: tuple[StreamStep, ...]) -> list[str]:
     """The residual stream in forward order, one row per pattern (block
     indices as ``*``): what each module receives and hands on, and what
     the sequence-layout pass added there."""
     if not steps:
         return []
-    rows: dict[tuple[str, str, str, str, str], list[str]] = {}
-    for s in steps:
-        key = (re.sub(r"(?<![^.])\d+(?![^.])", "*", s.module) or "<root>", s.role, s.takes, s.gives, s.added or "")
-        rows.setdefault(key, []).append(s.module or "<root>")
-    # A pattern stands for several modules; a single module shows as itself.
-    shown = {key: key[0] if len(mods) > 1 else mods[0] for key, mods in rows.items()}
-    width = max(map(len, shown.values()))
+    rows = collapse_keyed((s.module, (s.role, s.takes, s.gives, s.added or "")) for s in steps)
+    width = max(len(label) for label, _key, _names in rows)
     out = ["  stream (forward order): module  role  receives -> hands on  [added]"]
-    for key, mods in rows.items():
-        _pattern, role, takes, gives, added = key
-        count = f" (x{len(mods)})" if len(mods) > 1 else ""
+    for label, (role, takes, gives, added), _names in rows:
         extra = f"  [{added}]" if added else ""
-        out.append(f"    {shown[key].ljust(width)}  {role}: {takes} -> {gives}{count}{extra}")
+        out.append(f"    {label.ljust(width)}  {role}: {takes} -> {gives}{extra}")
     return out
 
 
@@ -448,17 +519,12 @@ def _format_requests(plan: Plan) -> list[str]:
     lines: list[str] = []
     tp = plan.tensor_parallel
     if tp is not None:
-        by_style: dict[tuple[str, str], list[str]] = {}
-        for a in tp.assignments:
-            by_style.setdefault((re.sub(r"(?<![^.])\d+(?![^.])", "*", a.module), a.style), []).append(a.module)
+        rows = collapse_keyed((a.module, a.style) for a in tp.assignments)
         sp = " with sequence parallelism" if tp.sequence_parallel else ""
         lines.append(f"tensor parallel{sp}: {len(tp.assignments)} modules")
-        # A pattern stands for several modules; a single module shows as itself.
-        rows = [(mods[0] if len(mods) == 1 else pattern, style, len(mods)) for (pattern, style), mods in by_style.items()]
-        width = max((len(r[0]) for r in rows), default=0)
-        for shown, style, n in rows:
-            count = f" (x{n})" if n > 1 else ""
-            lines.append(f"  {shown.ljust(width)}  {style}{count}")
+        width = max((len(label) for label, _style, _names in rows), default=0)
+        for label, style, _names in rows:
+            lines.append(f"  {label.ljust(width)}  {style}")
         for pattern, style, why in tp.skipped:
             lines.append(f"  {pattern.ljust(width)}  {style}: not a torch style, {why}")
         if tp.loss_parallel:
@@ -466,13 +532,13 @@ def _format_requests(plan: Plan) -> list[str]:
         lines.extend(_format_stream(tp.stream))
     if plan.checkpointing is not None:
         ac = plan.checkpointing
-        lines.append(f"activation checkpointing ({ac.mode}): " + ", ".join(_collapse(ac.modules)))
+        lines.append(f"activation checkpointing ({ac.mode}): " + join_names(ac.modules))
     if plan.prefetch:
         fwd = max(len(p.forward) for p in plan.prefetch)
         bwd = max(len(p.backward) for p in plan.prefetch)
         lines.append(
             f"explicit prefetch: {len(plan.prefetch)} units, forward depth {fwd}, backward depth {bwd} "
-            f"(e.g. {plan.prefetch[0].unit or '<root>'} -> {', '.join(plan.prefetch[0].forward) or '-'})"
+            f"(e.g. {plan.prefetch[0].unit or ROOT} -> {', '.join(plan.prefetch[0].forward) or '-'})"
         )
     if plan.reduce_unused_params:
         lines.append("unused parameters: every unit reduce-scatters zeros for them (context parallelism)")

@@ -20,7 +20,7 @@ from ._types import Reduction
 
 if TYPE_CHECKING:
     from ..model._index import ModelIndex
-    from ._types import Plan, Unit
+    from ._types import Plan, Unit, Verification
 
 __all__ = [
     "MarkTargets",
@@ -105,7 +105,7 @@ def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
     return Vouched(walk.signature, units, positions)
 
 
-def vouch_marks(index: ModelIndex, plan: Plan) -> object:
+def vouch_marks(index: ModelIndex, plan: Plan) -> Verification | None:
     """``plan.verified`` extended to the plan's reductions and exclusions when
     each names a parameter or module of the model ``index`` was built from."""
     vouched = plan.verified

@@ -26,7 +26,20 @@ _NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 class Collective:
     """One collective as issued: op name (``allreduce_``, ``broadcast_``, ...),
     the global ranks of its group, and the shape and dtype of each tensor
-    argument in order."""
+    argument in order.
+
+    Attributes:
+        op: the c10d op name.
+        group: the global ranks of its group.
+        shapes: the shape of each tensor argument.
+        dtypes: the dtype of each tensor argument.
+
+    Example::
+
+        with fsdptx.testing.record_collectives() as calls:
+            fsdptx.synchronize_tp_replica_gradients([model], mesh)
+        assert all(c.group == (0, 1) for c in calls)
+    """
 
     op: str
     group: tuple[int, ...]
@@ -84,6 +97,15 @@ def record_collectives() -> Iterator[list[Collective]]:
         with record_collectives() as calls:
             synchronize_tp_replica_gradients([model], mesh)
         assert [c.op for c in calls] == ["allreduce_", "allreduce_"]
+
+    Yields:
+        The list the collectives are appended to, as they are issued.
+
+    Example::
+
+        with record_collectives() as calls:
+            fsdptx.broadcast_tp_replicas([model], mesh)
+        print([c.op for c in calls])
     """
     out: list[Collective] = []
     with _Recorder(out):

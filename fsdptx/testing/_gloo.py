@@ -66,6 +66,11 @@ class DistributedTestError(AssertionError):
 
     An ``AssertionError`` subclass so pytest reports it as a test failure (with
     the worker's traceback in the message), not as an error in the harness.
+
+    Example::
+
+        with pytest.raises(fsdptx.testing.DistributedTestError, match="ZeroDivisionError"):
+            fsdptx.testing.run_distributed(divide_by_rank, 2)
     """
 
 
@@ -76,6 +81,13 @@ def free_port() -> int:
     TCP store can bind it. Another process could take it in between, but the
     window is short and the OS does not hand the same ephemeral port out again
     immediately.
+
+    Returns:
+        The port number.
+
+    Example::
+
+        os.environ["MASTER_PORT"] = str(fsdptx.testing.free_port())
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -166,6 +178,28 @@ def run_distributed(
     will never join. Keep ``collective_timeout_s`` below ``timeout_s`` so a
     hung collective surfaces as a gloo error naming it rather than as a bare
     timeout.
+
+    Args:
+        fn: ``fn(rank, world_size, *args)``, a module-level function.
+        world_size: how many ranks to spawn.
+        *args: further picklable arguments of ``fn``.
+        timeout_s: the whole run's limit in seconds.
+        collective_timeout_s: the process group's collective timeout.
+
+    Returns:
+        ``fn``'s return value on each rank, indexed by rank.
+
+    Raises:
+        DistributedTestError: a worker raised, died, or the run timed out.
+
+    Example::
+
+        def train(rank: int, world_size: int) -> float:
+            ...
+            return loss.item()
+
+        losses = fsdptx.testing.run_distributed(train, 2)
+        assert losses[0] == losses[1]
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

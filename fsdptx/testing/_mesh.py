@@ -23,6 +23,24 @@ def fake_mesh(shape: Sequence[int], names: Sequence[str], rank: int = 0) -> Iter
     single process stand in for any rank of any world size. The default
     process group is destroyed on exit, also when the body raises, and
     DTensor's caches are cleared, so the next fake world starts afresh.
+
+    Args:
+        shape: the mesh shape.
+        names: the mesh dim names.
+        rank: the rank this process plays.
+
+    Yields:
+        The ``DeviceMesh``.
+
+    Raises:
+        ValueError: ``shape`` and ``names`` differ in length or are empty, a
+            dim is below 1, or ``rank`` is outside the world.
+        RuntimeError: a default process group already exists.
+
+    Example::
+
+        with fsdptx.testing.fake_mesh((2, 4), ("dp", "tp"), rank=5) as mesh:
+            fsdptx.apply_plan(p, model, mesh)
     """
     shape = tuple(int(s) for s in shape)
     names = tuple(names)

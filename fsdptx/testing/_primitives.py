@@ -14,7 +14,16 @@ def mark_sharded(target: nn.Module | list[nn.Module], **kwargs: object) -> None:
     """Do to each module's class what ``fully_shard`` does (it becomes an
     ``FSDPModule`` subclass), and nothing else: no parameter changes, no
     process group. Later planning then sees these modules as units and stops
-    there, as it would after real sharding, at no cost."""
+    there, as it would after real sharding, at no cost.
+
+    Args:
+        target: a module, or the modules of one multi-module unit.
+        **kwargs: ``fully_shard``'s keyword arguments, ignored.
+
+    Example::
+
+        fsdptx.apply_plan(p, model, mesh, shard_module=fsdptx.testing.mark_sharded)
+    """
     del kwargs
     for m in target if isinstance(target, list) else [target]:
         cls = type(m)

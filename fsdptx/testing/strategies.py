@@ -12,6 +12,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 import torch
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from torch import nn
 __all__ = [
     "ModuleSpec",
     "TensorSpec",
+    "TreeOptions",
     "TreeSpec",
     "build_module",
     "mesh_shapes",
@@ -104,17 +106,29 @@ def module_specs(
     return node(0)
 
 
+class TreeOptions(TypedDict, total=False):
+    """The options of :func:`module_specs`, passed on by :func:`tree_specs`
+    and :func:`modules` (typed, so a misspelt option is a type error)."""
+
+    max_depth: int
+    max_children: int
+    max_params: int
+    max_buffers: int
+    dtypes: Sequence[torch.dtype]
+    buffer_dtypes: Sequence[torch.dtype]
+
+
 @st.composite
 def tree_specs(
     draw: st.DrawFn,
     /,
     *,
     max_ties: int = 1,
-    **kwargs: object,
+    **kwargs: Unpack[TreeOptions],
 ) -> TreeSpec:
     """A :func:`module_specs` tree with up to ``max_ties`` tied parameter pairs
     (same shape and dtype, so the tie is a faithful alias)."""
-    root = draw(module_specs(**kwargs))  # type: ignore[arg-type]
+    root = draw(module_specs(**kwargs))
     spec = TreeSpec(root)
     shapes = {f: s for f, s in zip(spec.param_fqns(), _param_specs(root))}
     ties: list[tuple[str, str]] = []
@@ -136,22 +150,18 @@ def _param_specs(m: ModuleSpec) -> list[TensorSpec]:
 
 def _build(spec: ModuleSpec, rng: random.Random | None) -> nn.Module:
     module = nn.Module()
-    items: list[tuple[str, object]] = [("p", p) for p in spec.params]
-    items += [("b", b) for b in spec.buffers]
-    items += [("c", c) for c in spec.children]
+    items: list[tuple[bool, TensorSpec | tuple[str, ModuleSpec]]] = [(True, p) for p in spec.params]
+    items += [(False, b) for b in spec.buffers]
+    items += [(False, c) for c in spec.children]
     if rng is not None:
         rng.shuffle(items)
-    for kind, item in items:
-        if kind == "p":
-            p: TensorSpec = item  # type: ignore[assignment]
-            module.register_parameter(p.name, nn.Parameter(_values(p)))
-        elif kind == "b":
-            b: TensorSpec = item  # type: ignore[assignment]
-            module.register_buffer(b.name, _values(b))
+    for is_param, item in items:
+        if isinstance(item, TensorSpec) and is_param:
+            module.register_parameter(item.name, nn.Parameter(_values(item)))
+        elif isinstance(item, TensorSpec):
+            module.register_buffer(item.name, _values(item))
         else:
-            child_name: str
-            child_spec: ModuleSpec
-            child_name, child_spec = item  # type: ignore[misc]
+            child_name, child_spec = item
             module.add_module(child_name, _build(child_spec, rng))
     return module
 
@@ -176,9 +186,9 @@ def build_module(spec: TreeSpec, *, shuffle_seed: int | None = None) -> nn.Modul
     return root
 
 
-def modules(**kwargs: object) -> st.SearchStrategy[nn.Module]:
+def modules(*, max_ties: int = 1, **kwargs: Unpack[TreeOptions]) -> st.SearchStrategy[nn.Module]:
     """Built random module trees (see :func:`tree_specs` for options)."""
-    return tree_specs(**kwargs).map(build_module)  # type: ignore[arg-type]
+    return tree_specs(max_ties=max_ties, **kwargs).map(build_module)
 
 
 @st.composite

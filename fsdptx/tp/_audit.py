@@ -56,7 +56,20 @@ class Drift:
     ``fqn`` names it (the smallest name of a tied tensor), ``mesh_dim`` the
     mesh dim the group spans, ``ranks`` the group's global ranks, and
     ``max_abs_diff`` the largest difference between any two copies of one
-    element (``inf`` where one copy is NaN or infinite and another is not)."""
+    element (``inf`` where one copy is NaN or infinite and another is not).
+
+    Attributes:
+        fqn: the tensor's name.
+        mesh_dim: the mesh dim name the group spans.
+        ranks: the group's global ranks.
+        max_abs_diff: the largest difference between two copies of one
+            element.
+
+    Example::
+
+        for d in fsdptx.audit_replicas([model], mesh).drifted:
+            print(f"{d.fqn} differs along {d.mesh_dim} on ranks {d.ranks}: {d.max_abs_diff:.3g}")
+    """
 
     fqn: str
     mesh_dim: str
@@ -71,7 +84,17 @@ class ReplicaAudit:
     ``drifted`` lists every tensor whose copies differ beyond the tolerance
     in any group of the mesh, in rank-stable order (mesh dim order, then
     FQN, then ranks); ``checked`` maps each audited mesh dim to the number
-    of tensors compared on this rank along it."""
+    of tensors compared on this rank along it.
+
+    Attributes:
+        drifted: the tensors whose copies differ, as :class:`Drift` entries.
+        checked: mesh dim -> tensors compared along it on this rank.
+
+    Example::
+
+        audit = fsdptx.audit_replicas([model], mesh, atol=1e-6)
+        assert audit.ok, audit.drifted
+    """
 
     drifted: tuple[Drift, ...]
     checked: tuple[tuple[str, int], ...]

@@ -19,6 +19,10 @@ def loss_parallel() -> AbstractContextManager[None]:
     token (the max and the sum of exponentials) instead of gathering the
     full logits on every rank.
 
+    Returns:
+        A context manager; inside it, cross entropy on vocabulary-sharded
+        logits is computed from the slices.
+
     Example::
 
         logits = model(tokens)                      # a Shard(-1) DTensor

@@ -61,6 +61,19 @@ def mark_tp_replica_gradient_reduction(module: nn.Module, reduction: Reduction) 
     replicas are averaged. ``"sum"``: each TP rank contributed a disjoint part
     (e.g. a router that sees only its sequence shard), so the parts are added.
     Unmarked replicated parameters use ``"mean"``.
+
+    Args:
+        module: the module whose direct parameters are marked.
+        reduction: ``"mean"`` or ``"sum"``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: ``reduction`` is neither ``"mean"`` nor ``"sum"``.
+
+    Example::
+
+        for block in model.layers:
+            fsdptx.mark_tp_replica_gradient_reduction(block.router, "sum")
     """
     require_module(module, "module", "mark_tp_replica_gradient_reduction")
     check_reduction(reduction, f"mark_tp_replica_gradient_reduction({type(module).__name__})")
@@ -96,6 +109,17 @@ def exclude_from_tp_replica_sync(module: nn.Module) -> None:
     (expert parallelism): their local tensors are different shards, not
     replicas, even though nothing in their type says so. Neither their
     parameters nor their buffers are broadcast or reduced.
+
+    Args:
+        module: the root of the subtree kept rank-local.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+
+    Example::
+
+        for block in model.layers:
+            fsdptx.exclude_from_tp_replica_sync(block.mlp.experts)
     """
     require_module(module, "module", "exclude_from_tp_replica_sync")
     _set(module, _EXCLUDE_ATTR, True)

@@ -51,6 +51,20 @@ def is_tp_replicated(
     ``ep``/``ep_shard`` shards along those dims, so the copies differ.
     ``tp_axis_name`` is accepted for the seed's signature; the coordinates
     already say everything it would.
+
+    Args:
+        tensor: a plain tensor or a DTensor.
+        tp_group_ranks: the global ranks of this rank's TP group.
+        current_rank: this rank's global rank.
+        tp_axis_name: the TP mesh dim name (kept for the seed's signature).
+
+    Returns:
+        Whether this rank's local storage is a copy of every TP peer's.
+
+    Example::
+
+        tp_ranks = mesh["tp"].mesh.flatten().tolist()
+        replicated = [n for n, p in model.named_parameters() if fsdptx.is_tp_replicated(p, tp_ranks, rank, "tp")]
     """
     del tp_axis_name
     if not isinstance(tensor, DTensor):
@@ -979,6 +993,28 @@ def broadcast_tp_replicas(
     only some ranks pass the bad argument, their peers cannot know and wait
     in the agreement collective until the process group's timeout (the
     ``timeout`` given to ``init_process_group``) expires.
+
+    Args:
+        model_parts: the model, or the model parts this rank holds, in the
+            same order on every rank.
+        device_mesh: the mesh the model was parallelized on (``None``: no
+            mesh, nothing to do).
+        tp_axis_name: the mesh dim name of tensor parallelism.
+        max_bytes: the most bytes one communication buffer may take.
+
+    Returns:
+        How many tensors were broadcast (tied ones once).
+
+    Raises:
+        TypeError: ``max_bytes`` is not a positive integer.
+        ValueError: ``max_bytes`` cannot hold one element.
+        RuntimeError: the TP peers disagree on what to broadcast.
+
+    Example::
+
+        model = build_model(seed=rank)               # replicas start different
+        fsdptx.apply_plan(p, model, mesh)
+        fsdptx.broadcast_tp_replicas([model], mesh)  # now equal to TP rank 0's
     """
     where = "broadcast_tp_replicas"
     parts, max_bytes = _check_arguments(where, model_parts, device_mesh, tp_axis_name, max_bytes)
@@ -1058,6 +1094,30 @@ def synchronize_tp_replica_gradients(
 
     Returns the number of rank-local gradients synchronized (tied once);
     0 and no collective without a TP axis of size > 1.
+
+    Args:
+        model_parts: the model, or the model parts this rank holds, in the
+            same order on every rank.
+        device_mesh: the mesh the model was parallelized on (``None``: no
+            mesh, nothing to do).
+        tp_axis_name: the mesh dim name of tensor parallelism.
+        max_bytes: the most bytes one communication buffer may take.
+
+    Returns:
+        How many rank-local gradients were synchronized (tied ones once).
+
+    Raises:
+        TypeError: ``max_bytes`` is not a positive integer.
+        ValueError: ``max_bytes`` cannot hold one element and the divisor.
+        RuntimeError: the TP peers disagree on what to reduce, or a
+            replicated gradient is sparse.
+
+    Example::
+
+        loss.backward()
+        fsdptx.synchronize_tp_replica_gradients([model], mesh)  # once per optimizer step
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
     """
     where = "synchronize_tp_replica_gradients"
     parts, max_bytes = _check_arguments(where, model_parts, device_mesh, tp_axis_name, max_bytes)

@@ -9,13 +9,14 @@ and by the manager's dry run before anything is mutated.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from ..core._globs import segment_match
+from ..core._names import Names
 from ..model._index import ModelIndex, PlanningError
 from ..plan._kinds import unit_blind
 from ..plan._transforms import block_fqns, model_index
@@ -49,7 +50,7 @@ def tensor_parallel(
     plan: Mapping[str, StyleSpec] | None = None,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
-    blocks: Sequence[str] | None = None,
+    blocks: Names | None = None,
 ) -> Plan:
     """Record which module gets which tensor-parallel style.
 
@@ -76,6 +77,24 @@ def tensor_parallel(
     modules. ``loss_parallel=True`` keeps the head's logits
     vocabulary-sharded (compute the loss under :func:`fsdptx.loss_parallel`).
     ``blocks`` as in :func:`fsdptx.shard_by_dtype`.
+
+    Args:
+        model: the model, only read.
+        current: the Plan so far (positional only: the transform protocol).
+        plan: module glob -> style name or torch ``ParallelStyle``; the
+            model's declared plan when ``None``.
+        sequence_parallel: run the blocks on the sequence shard.
+        loss_parallel: keep the head's logits vocabulary-sharded.
+        blocks: class names, FQNs or globs of the blocks; discovered when
+            ``None``.
+
+    Returns:
+        A new Plan recording one style per module and the stream's layout.
+
+    Raises:
+        TypeError: a key is not a str or a value not a style.
+        PlanningError: a glob matches no module, a module is matched twice,
+            a style name is unknown, or the layouts disagree.
 
     Example::
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from fsdptx.cli._main import fmt_bytes, main
+from fsdptx.cli._main import main
+from fsdptx.core._sizes import format_bytes
 
 SMALL = ("--preset", "llama", "--layers", "2", "--seq", "128")
 BYTES = re.compile(r"\d+(?:\.\d+)? (?:GiB|MiB|KiB)|\b[\d,]+ B\b")
@@ -32,7 +33,7 @@ def figures(value: Any) -> set[str]:
     if isinstance(value, bool):
         return set()
     if isinstance(value, int):
-        return {fmt_bytes(value), f"{value:,} B"}
+        return {format_bytes(value), f"{value:,} B"}
     if isinstance(value, str):
         return set(BYTES.findall(value))
     if isinstance(value, dict):

@@ -73,9 +73,18 @@ def test_apply_refuses_a_plan_made_before_the_model_was_cast() -> None:
     assert rec.calls == []
 
 
-def test_make_compute_dtype_fn_refuses_a_bare_string_of_names() -> None:
-    with pytest.raises(TypeError, match=r"\['sinks'\]"):
-        fsdptx.make_compute_dtype_fn(small(), None, "sinks")  # type: ignore[arg-type]
+def test_make_compute_dtype_fn_reads_a_bare_string_as_one_name() -> None:
+    # The one rule for names (as shard_by_dtype and fully_shard_by_dtype read
+    # them): "sinks" is the token "sinks", not the letters s, i, n, k.
+    model = small()
+    by_string = fsdptx.make_compute_dtype_fn(model, None, "sinks")
+    by_list = fsdptx.make_compute_dtype_fn(model, None, ["sinks"])
+    assert [by_string(p) for p in model.parameters()] == [by_list(p) for p in model.parameters()]
+
+
+def test_make_compute_dtype_fn_refuses_names_that_are_not_strings() -> None:
+    with pytest.raises(TypeError, match=r"fp32_compute_module_names must hold names \(str\), got \[3\]"):
+        fsdptx.make_compute_dtype_fn(small(), None, ["sinks", 3])  # type: ignore[list-item]
 
 
 CALLS: dict[str, Callable[[object], object]] = {

@@ -69,5 +69,5 @@ def test_compose_pipeline_example_prints_its_plan_and_trains() -> None:
     """Two torchrun ranks: the plan table (with the cross-block unit of the
     fp32 holders) is printed before anything is sharded, then three steps."""
     output = _torchrun("examples/compose_pipeline.py", 2)
-    assert "cross-block  layers.*.sinks (x4)" in output, output
+    assert "cross-block  layers.{0..3}.sinks" in output, output
     assert sum(line.startswith("step ") for line in output.splitlines()) == 3, output

@@ -71,13 +71,13 @@ def test_strict_tokens_always_count_and_non_strict_only_for_fp16(
     assert hf_fp32_compute_tokens(m, compute_dtype) == expected
 
 
-def test_bare_string_keep_in_fp32_raises_type_error_naming_the_attribute() -> None:
-    with pytest.raises(TypeError, match=r"_keep_in_fp32_modules_strict must be a list.*\['router'\]"):
-        hf_fp32_compute_tokens(Declared(_keep_in_fp32_modules_strict="router"), torch.bfloat16)
+def test_bare_string_keep_in_fp32_is_one_name_not_its_letters() -> None:
+    # fsdptx's one rule for names: a bare string is one name, everywhere.
+    assert hf_fp32_compute_tokens(Declared(_keep_in_fp32_modules_strict="router"), torch.bfloat16) == ("router",)
 
 
 def test_non_str_keep_in_fp32_entry_raises_type_error_naming_the_attribute() -> None:
-    with pytest.raises(TypeError, match=r"_keep_in_fp32_modules must hold str names"):
+    with pytest.raises(TypeError, match=r"_keep_in_fp32_modules must hold names \(str\)"):
         hf_fp32_compute_tokens(Declared(_keep_in_fp32_modules=["norm", 1]), torch.float16)
 
 
@@ -96,9 +96,15 @@ def test_tied_weights_list_entry_that_is_not_tied_is_left_out() -> None:
     assert hf_tied_weights(Declared(_tied_weights_keys=["head.weight"])) == {}
 
 
-def test_bare_string_tied_weights_keys_raises_type_error() -> None:
-    with pytest.raises(TypeError, match=r"_tied_weights_keys must be a list"):
-        hf_tied_weights(Declared(_tied_weights_keys="head.weight"))
+def test_bare_string_tied_weights_keys_is_one_name() -> None:
+    m = Declared(_tied_weights_keys="head.weight")
+    m.head.weight = m.embed.weight
+    assert hf_tied_weights(m) == {"head.weight": "embed.weight"}
+
+
+def test_tied_weights_keys_of_another_type_raises_type_error_naming_the_attribute() -> None:
+    with pytest.raises(TypeError, match=r"_tied_weights_keys must be a name \(str\) or an iterable of names"):
+        hf_tied_weights(Declared(_tied_weights_keys=3))
 
 
 def test_replicated_with_grad_allreduce_entries_reduce_with_sum_and_others_are_unmarked() -> None:

@@ -72,7 +72,8 @@ _WRONG_TYPES: dict[str, tuple[str, object, type[Exception]]] = {
     "mp_policy-dtype": ("mp_policy", torch.bfloat16, TypeError),
     "offload_policy-bool": ("offload_policy", True, TypeError),
     "tp_plan-list": ("tp_plan", [("lm_head", "colwise")], TypeError),
-    "expert_modules-string": ("expert_modules", "layers.*.experts", TypeError),
+    "expert_modules-int": ("expert_modules", 3, TypeError),
+    "blocks-int-entry": ("blocks", ("layers.*", 3), TypeError),
     "reshard-zero": ("reshard_after_forward", 0, ValueError),
     "reshard-string": ("reshard_after_forward", "yes", ValueError),
 }
@@ -83,6 +84,13 @@ def test_wrong_types_are_rejected_naming_the_field(case: str) -> None:
     field, value, error = _WRONG_TYPES[case]
     with pytest.raises(error, match=f"FSDP2Config.{field}"):
         FSDP2Config(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["expert_modules", "cross_block_modules", "blocks"])
+def test_a_bare_string_of_names_is_one_name_stored_as_a_tuple(field: str) -> None:
+    # fsdptx's one rule for names: a bare string is one name, never its letters.
+    assert getattr(FSDP2Config(**{field: "layers.*"}), field) == ("layers.*",)
+    assert getattr(FSDP2Config(**{field: ["layers.*"]}), field) == ("layers.*",)
 
 
 def test_defaults_are_the_reference_ones() -> None:
@@ -136,6 +144,6 @@ def test_manager_exposes_the_reference_attributes() -> None:
     )
 
 
-def test_cross_block_modules_must_be_names_not_one_string() -> None:
+def test_cross_block_modules_must_be_names() -> None:
     with pytest.raises(TypeError, match="cross_block_modules"):
-        FSDP2Config(cross_block_modules="self_attn")  # type: ignore[arg-type]
+        FSDP2Config(cross_block_modules=3)  # type: ignore[arg-type]

@@ -167,10 +167,10 @@ def test_unit_changes_name_the_units_and_the_parameters_they_gain() -> None:
         meta_model(), fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
     )
     lines = str(fsdptx.diff_plans(across, without)).splitlines()
-    assert "layers.*.sinks (x4): cross-block unit removed" in lines
+    assert "layers.{0..3}.sinks: cross-block unit removed" in lines
     assert "layers.{0..3}: unit gains sinks.weight" in lines
     lines = str(fsdptx.diff_plans(without, across)).splitlines()
-    assert "layers.*.sinks (x4): new cross-block unit of 4 params" in lines
+    assert "layers.{0..3}.sinks: new cross-block unit of 4 params" in lines
     assert "layers.{0..3}: unit loses sinks.weight" in lines
 
 
