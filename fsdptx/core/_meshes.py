@@ -20,6 +20,7 @@ __all__ = [
     "EP_DIM",
     "KNOWN_DIMS",
     "MOE_DP_DIMS",
+    "MOE_KNOWN_DIMS",
     "ParallelDims",
     "ep_mesh",
     "ep_size",
@@ -42,7 +43,7 @@ MOE_DP_DIMS = ("ep_replicate", "ep_shard", "dp_replicate", "dp_shard", "dp", "dp
 # the others shard them.
 _MOE_REPLICATE_DIMS = ("ep_replicate", "dp_replicate")
 EP_DIM = "ep"
-_MOE_KNOWN = (*MOE_DP_DIMS, EP_DIM, "tp", "pp")
+MOE_KNOWN_DIMS = (*MOE_DP_DIMS, EP_DIM, "tp", "pp")
 _MOE_FLAT_SHARD = "moe_dp_shard"
 _MOE_FLAT_REPLICATE = "moe_dp_replicate"
 _FLAT_SHARD = "dp_shard_cp"
@@ -170,7 +171,7 @@ def moe_dp_dims(moe_mesh: DeviceMesh, device_mesh: DeviceMesh) -> tuple[tuple[st
     """``moe_mesh``'s dim names and its data-parallel ones, checked against
     ``device_mesh``: both must span the same ranks (a MoE mesh is another
     view of the same world, not a subset of it)."""
-    names = _names(moe_mesh, _MOE_KNOWN, "moe_mesh")
+    names = _names(moe_mesh, MOE_KNOWN_DIMS, "moe_mesh")
     if moe_mesh.size() != device_mesh.size():
         raise ValueError(
             f"moe_mesh spans {moe_mesh.size()} ranks ({dict(zip(names, moe_mesh.shape))}) but device_mesh "
