@@ -84,3 +84,32 @@ def test_bad_moe_meshes_are_refused_with_one_line(
     code, _, err = _plan(capsys, "--mesh", "dp=4", "--moe-mesh", moe, *extra)
     assert code == 2 and len(err.splitlines()) == 1
     assert re.search(match, err), err
+
+
+def test_fit_with_ep_counts_each_candidates_experts_as_plan_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--fit 4x... --ep 2``: the ``dp_shard=2 x tp=2`` candidate puts the
+    experts on ``ep_shard=2 x ep=2`` (TP ranks folded in, so a rank holds a
+    quarter of them, where without EP it would hold half); its parameters
+    per rank are exactly what ``plan`` reports for the candidate's own
+    options, and fewer than the same mesh without EP."""
+    code, out, err = _plan(capsys, "--fit", "4x1GiB", "--ep", "2", "--seq", "16", "--json")
+    assert code == 0, err
+    fit = json.loads(out)["fit"]
+    candidates = [c for c in fit["fitting"] + fit["not_fitting"] if c["mesh"] == {"dp_shard": 2, "tp": 2}]
+    assert candidates and all(c["moe_mesh"] == {"ep_shard": 2, "ep": 2} for c in candidates)
+    argv = next(c["argv"] for c in candidates if not c["offload"] and not c["activation_checkpointing"])
+    assert argv == ["--mesh", "dp_shard=2,tp=2", "--moe-mesh", "ep_shard=2,ep=2", "--sp"]
+    code, out, err = _plan(capsys, *argv, "--json")
+    assert code == 0, err
+    planned = json.loads(out)["memory"]["params_bytes"]
+    assert {c["params_bytes"] for c in candidates if not c["offload"]} == {planned}
+    code, out, err = _plan(capsys, "--mesh", "dp_shard=2,tp=2", "--sp", "--json")
+    assert code == 0, err
+    assert planned < json.loads(out)["memory"]["params_bytes"]
+
+
+def test_ep_without_fit_and_moe_mesh_with_fit_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _plan(capsys, "--mesh", "dp=4", "--ep", "2")
+    assert code == 2 and "--ep applies to --fit" in err
+    code, _, err = _plan(capsys, "--fit", "4x1GiB", "--moe-mesh", "dp_shard=2,ep=2")
+    assert code == 2 and "use --ep N" in err

@@ -401,6 +401,14 @@ def _parser() -> _Parser:
         help="list the meshes, checkpointing and offload settings whose traced peak fits, e.g. 64x80GiB "
         "(ignores --mesh/--sp/--ac/--offload; traces --batch/--seq)",
     )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --fit: split the experts across N ranks in every candidate (MoE mesh "
+        "[dp_replicate x] ep_shard x ep, ep taken from dp_shard x tp; default 1: experts in their blocks)",
+    )
     p.add_argument("--html", metavar="FILE", help="write a self-contained picture of the traced step to FILE")
     p.add_argument("--json", action="store_true", help="print the same report as JSON (the plan under \"plan\")")
     add_diff_parser(sub)
@@ -413,13 +421,17 @@ def run_plan(args: argparse.Namespace) -> str:
     if args.fit is not None:
         from ._fit import run_fit
 
+        if args.ep < 1:
+            raise UsageError(f"--ep must be >= 1, got {args.ep}")
         if args.moe_mesh is not None:
             raise UsageError(
-                "--fit enumerates dense meshes only and would ignore --moe-mesh; plan an expert-parallel mesh "
-                "with --mesh and --moe-mesh instead"
+                "--fit derives each candidate's MoE mesh itself and would ignore --moe-mesh; use --ep N to "
+                "split the experts across N ranks in every candidate"
             )
 
         return run_fit(args)
+    if args.ep != 1:
+        raise UsageError("--ep applies to --fit; for one mesh give --moe-mesh with an ep axis")
     shape, names = parse_mesh(args.mesh)
     moe = None if args.moe_mesh is None else parse_moe_mesh(args.moe_mesh, math.prod(shape))
     model, name = build_model(args)
