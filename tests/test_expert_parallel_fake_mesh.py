@@ -38,8 +38,9 @@ def _parallelize(shape: tuple[int, ...], names: tuple[str, ...], moe: dict[str, 
         ((2, 4), ("dp_replicate", "dp_shard"), {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, ("dp_replicate", "dp_shard")),
         ((8,), ("dp",), {"ep_replicate": 2, "ep_shard": 2, "ep": 2}, ("ep_replicate", "ep_shard")),
         ((2, 4), ("dp_replicate", "dp_shard"), {"dp_replicate": 2, "ep": 4}, ("dp_replicate",)),
+        ((2, 2, 2), ("dp_replicate", "dp_shard", "cp"), {"dp_replicate": 2, "dp_shard": 1, "cp": 2, "ep": 2}, ("dp_replicate", "dp_shard", "cp")),
     ],
-    ids=["fsdp", "hsdp", "hsdp-ep-names", "hsdp-replicate-only"],
+    ids=["fsdp", "hsdp", "hsdp-ep-names", "hsdp-replicate-only", "hsdp-flattened-shard-dims"],
 )
 def test_experts_are_shard0_over_ep_and_fsdp_uses_the_remaining_dp_dims(
     shape: tuple[int, ...], names: tuple[str, ...], moe: dict[str, int], fsdp_dims: tuple[str, ...]

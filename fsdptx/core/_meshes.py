@@ -202,19 +202,19 @@ def moe_fsdp_mesh(moe_mesh: DeviceMesh, device_mesh: DeviceMesh) -> DeviceMesh:
     if not replicate:
         sub = moe_mesh if shard == names else moe_mesh[shard if len(shard) > 1 else shard[0]]
         return sub if len(shard) == 1 else sub._flatten(_MOE_FLAT_SHARD)
-    rep = replicate[0] if len(replicate) == 1 else _flat(moe_mesh, replicate, _MOE_FLAT_REPLICATE)
+    rep = replicate[0] if len(replicate) == 1 else _MOE_FLAT_REPLICATE
     if not shard:
-        sub = moe_mesh[rep]
+        sub = moe_mesh[replicate[0]] if len(replicate) == 1 else moe_mesh[replicate]._flatten(rep)
         return sub._unflatten(0, (sub.size(), 1), (rep, _REPLICATE_ONLY_SHARD))
-    shd = shard[0] if len(shard) == 1 else _flat(moe_mesh, shard, _MOE_FLAT_SHARD)
-    return moe_mesh[(rep, shd)]
-
-
-def _flat(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> str:
-    """Flatten ``dims`` of ``mesh`` into one dim called ``name`` (sliceable
-    from ``mesh`` afterwards); returns ``name``."""
-    mesh[dims]._flatten(name)
-    return name
+    sub = moe_mesh[replicate + shard]
+    if len(replicate) == 1 and len(shard) == 1:
+        return sub
+    # Several dims on a side: flatten all and split into (replicate, shard)
+    # again, rather than slicing flattened dims from the root (deprecated).
+    sizes = dict(zip(names, moe_mesh.shape))
+    shape = (math.prod(sizes[n] for n in replicate), math.prod(sizes[n] for n in shard))
+    shd = shard[0] if len(shard) == 1 else _MOE_FLAT_SHARD
+    return sub._flatten("moe_dp")._unflatten(0, shape, (rep, shd))
 
 
 def ep_size(moe_mesh: DeviceMesh | None) -> int:
