@@ -273,8 +273,9 @@ class FSDP2Manager:
     over its data-parallel dims (HSDP when one of them is ``dp_replicate``
     or ``ep_replicate``), and, when it has an ``ep`` dim > 1, first splits
     them by expert across ``ep`` (:func:`fsdptx.expert_parallel`; the
-    expert modules dispatch tokens themselves, see docs/manager.md). :meth:`plan` is the pure dry run;
-    :meth:`parallelize` applies exactly that Plan.
+    expert modules dispatch tokens themselves, see docs/manager.md).
+    :meth:`plan` is the pure dry run; :meth:`parallelize` applies exactly
+    that Plan.
     """
 
     def __init__(self, config: FSDP2Config, device_mesh: DeviceMesh, moe_mesh: DeviceMesh | None = None) -> None:
