@@ -19,18 +19,37 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..core._meshes import ep_mesh, ep_size, moe_gradient_divide_factor
+from ..hf._expert_parallel import hf_dispatches_experts, install_hf_expert_dispatch
 from ..plan._expert_parallel import EP_HOOK
 from ..plan._types import ExpertParallel, Plan, preview
 
-__all__ = ["HandEpMesh", "divide_expert_gradients", "expert_parallel_problems", "hand_ep_mesh", "split_experts"]
+__all__ = [
+    "HandEpMesh",
+    "dispatches",
+    "divide_expert_gradients",
+    "expert_parallel_problems",
+    "hand_ep_mesh",
+    "split_experts",
+]
 
 HandEpMesh = Callable[[nn.Module, DeviceMesh], object]
 
 
 def hand_ep_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Tell an expert module its ``ep`` mesh through its :data:`EP_HOOK`
-    method (the default way ``apply_plan`` tells a model its EP group)."""
-    getattr(module, EP_HOOK)(mesh)
+    """Tell an expert module its ``ep`` mesh (the default way ``apply_plan``
+    tells a model its EP group): through its :data:`EP_HOOK` method, else,
+    for a transformers experts module, by installing transformers' own
+    token dispatch (:func:`~fsdptx.hf._expert_parallel.install_hf_expert_dispatch`)."""
+    hook = getattr(module, EP_HOOK, None)
+    if callable(hook):
+        hook(mesh)
+    else:
+        install_hf_expert_dispatch(module, mesh)
+
+
+def dispatches(module: nn.Module) -> bool:
+    """Whether :func:`hand_ep_mesh` can tell ``module`` its ``ep`` mesh."""
+    return callable(getattr(module, EP_HOOK, None)) or hf_dispatches_experts(module)
 
 
 def expert_parallel_problems(
@@ -45,7 +64,8 @@ def expert_parallel_problems(
     such a mesh. Each expert count must divide by ``ep``; each expert
     module must still have the planned parameters and expert count, hold
     no DTensor yet, not be split by tensor parallelism too, belong to units
-    on the MoE mesh, and (with the default ``hand``) define :data:`EP_HOOK`.
+    on the MoE mesh, and (with the default ``hand``) be one it can tell its
+    ``ep`` mesh (:func:`dispatches`).
     """
     ep = plan.expert_parallel
     size = ep_size(moe_mesh)
@@ -106,12 +126,13 @@ def expert_parallel_problems(
             "units of their own (shard_by_dtype(expert_modules=...)) so FSDP shards them over the moe mesh"
         )
     if hand is hand_ep_mesh:
-        hookless = [m for m in ep.modules if m in modules and not callable(getattr(modules[m], EP_HOOK, None))]
+        hookless = [m for m in ep.modules if m in modules and not dispatches(modules[m])]
         if hookless:
             problems.append(
-                f"expert modules {preview(hookless)} define no {EP_HOOK}(ep_mesh), so their forward cannot send "
-                "tokens to the ep rank holding their expert and would run only the local experts; add that "
-                "method (and the all-to-all dispatch over ep_mesh.get_group() in forward)"
+                f"expert modules {preview(hookless)} define no {EP_HOOK}(ep_mesh) and are not transformers "
+                "experts, so their forward cannot send tokens to the ep rank holding their expert and would run "
+                "only the local experts; add that method (and the all-to-all dispatch over "
+                "ep_mesh.get_group() in forward)"
             )
     return problems
 

@@ -15,6 +15,7 @@ from collections.abc import Collection
 
 from torch import nn
 
+from ..hf._expert_parallel import hf_dispatches_experts
 from ..model._index import PlanningError
 from ._kinds import unit_blind
 from ._transforms import _experts, model_index
@@ -35,9 +36,10 @@ def expert_parallel(model: nn.Module, plan: Plan, /, *, expert_modules: Collecti
 
     Sending tokens to the rank that holds their expert is the model's
     business: :func:`fsdptx.apply_plan` hands each expert module its ``ep``
-    mesh through :data:`EP_HOOK` and refuses, before changing anything, a
-    module without one (its forward would run only the local experts on
-    every token: a wrong result, silently). FSDP shards the experts over
+    mesh through :data:`EP_HOOK` (a transformers experts module gets
+    transformers' own dispatch installed instead) and refuses, before
+    changing anything, a module it cannot tell (its forward would run only
+    the local experts on every token: a wrong result, silently). FSDP shards the experts over
     the MoE mesh's data-parallel dims (HSDP where one replicates).
 
     Args:
@@ -49,7 +51,8 @@ def expert_parallel(model: nn.Module, plan: Plan, /, *, expert_modules: Collecti
 
     Returns:
         ``plan`` with :attr:`Plan.expert_parallel` set (a warning added for
-        expert modules without :data:`EP_HOOK`).
+        expert modules that neither define :data:`EP_HOOK` nor are
+        transformers experts).
 
     Raises:
         PlanningError: no expert modules; an expert module without
@@ -92,13 +95,17 @@ def expert_parallel(model: nn.Module, plan: Plan, /, *, expert_modules: Collecti
         params.extend(name for name, _ in named)
     if problems:
         raise PlanningError("expert_parallel: " + "; ".join(problems))
-    hookless = [f for f in modules if not callable(getattr(index.modules[f], EP_HOOK, None))]
+    hookless = [
+        f
+        for f in modules
+        if not (callable(getattr(index.modules[f], EP_HOOK, None)) or hf_dispatches_experts(index.modules[f]))
+    ]
     warnings = plan.warnings
     if hookless:
         warning = (
-            f"expert modules {preview(hookless)} define no {EP_HOOK}(ep_mesh): apply_plan refuses them, since "
-            "their forward would run only the local experts; give the experts module that method and dispatch "
-            "tokens over the ep group in its forward"
+            f"expert modules {preview(hookless)} define no {EP_HOOK}(ep_mesh) and are not transformers experts: "
+            "apply_plan refuses them, since their forward would run only the local experts; give the experts "
+            "module that method and dispatch tokens over the ep group in its forward"
         )
         warnings = warnings + (warning,) if warning not in warnings else warnings
     ep = ExpertParallel(modules=tuple(modules), num_experts=tuple(counts), params=tuple(params))
