@@ -192,9 +192,24 @@ def test_ep_sharded_experts_are_not_tp_replicas_and_the_sync_leaves_them_alone()
         replicated = {n for n, p in model.named_parameters() if fsdptx.is_tp_replicated(p, tp_ranks, 0, "tp")}
         assert replicated.isdisjoint(EXPERT_PARAMS)
         assert replicated == {n for n in dict(model.named_parameters()) if n not in EXPERT_PARAMS and n != "head.weight"}
+        # the audit compares the same tensors along tp
+        assert dict(fsdptx.audit_replicas([model], mesh).checked)["tp"] == len(replicated)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         assert fsdptx.synchronize_tp_replica_gradients([model], mesh) == len(replicated) == 7
+
+
+def test_the_dp_audit_skips_experts_that_dense_replicas_hold_different_shares_of() -> None:
+    """Dense ``dp_replicate=2 x dp_shard=2`` (replica peers 0 and 2) and MoE
+    ``ep=2 x dp_replicate=2`` (ep outer: ranks 0 and 2 hold different
+    experts): the audit along the dense ``dp_replicate`` leaves the experts
+    out, by their placements, and compares every dense parameter."""
+    model = build()
+    with fake_mesh((2, 2), ("dp_replicate", "dp_shard")) as mesh:
+        moe_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp_replicate"))
+        FSDP2Manager(FSDP2Config(mp_policy=None), mesh, moe_mesh=moe_mesh).parallelize(model)
+        checked = dict(fsdptx.audit_replicas([model], mesh).checked)
+    assert checked["dp_replicate"] == sum(1 for n, _ in model.named_parameters() if n not in EXPERT_PARAMS)
 
 
 def test_experts_replicated_across_tp_peers_are_tp_replicas() -> None:
