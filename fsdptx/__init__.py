@@ -31,6 +31,7 @@ from .model._index import PlanningError
 
 # plan: the Plan, its transforms, and plan files
 from .plan._diff import PlanDiff, diff_plans
+from .plan._expert_parallel import expert_parallel
 from .plan._json import plan_from_json, plan_to_json
 from .plan._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
 from .plan._transforms import (
@@ -41,7 +42,7 @@ from .plan._transforms import (
     shard_across_blocks,
     shard_by_dtype,
 )
-from .plan._types import Checkpointing, Plan, Prefetch, Reduction, TPAssignment, TensorParallel, Unit
+from .plan._types import Checkpointing, ExpertParallel, Plan, Prefetch, Reduction, TPAssignment, TensorParallel, Unit
 
 # tp: tensor/sequence parallelism, TP-replica marks, sync and audit
 from .tp import loss_parallel, tensor_parallel
@@ -91,6 +92,7 @@ __all__ = [
     "PlanningError",
     # plan
     "Checkpointing",
+    "ExpertParallel",
     "Plan",
     "PlanDiff",
     "Prefetch",
@@ -102,6 +104,7 @@ __all__ = [
     "checkpoint_activations",
     "compose",
     "diff_plans",
+    "expert_parallel",
     "mark_reduction",
     "plan",
     "plan_from_json",

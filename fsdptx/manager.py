@@ -27,9 +27,10 @@ from .apply._apply import apply_indexed
 from .compat._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
 from .core._args import require_module
 from .core._names import name_tokens
-from .core._meshes import ParallelDims, moe_dp_dims, parallel_dims, tp_mesh
+from .core._meshes import ParallelDims, ep_size, moe_dp_dims, parallel_dims, tp_mesh
 from .core._policy import check_policy_dtypes
 from .hf._patches import patch_is_packed_sequence
+from .plan._expert_parallel import expert_parallel
 from .plan._types import Plan
 from .model._index import ModelIndex, discover_blocks, resolve_blocks
 from .plan._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
@@ -302,8 +303,12 @@ class FSDP2Manager:
     ``device_mesh`` is read by dim names (``dp_replicate``, ``dp_shard`` or
     ``dp``, ``cp``, ``tp``, ``pp``); ``moe_mesh``, when given, shards the
     expert modules (``config.expert_modules``, or what the model declares)
-    over its data-parallel dims. :meth:`plan` is the pure dry run;
-    :meth:`parallelize` applies exactly that Plan.
+    over its data-parallel dims (HSDP when one of them is ``dp_replicate``
+    or ``ep_replicate``), and, when it has an ``ep`` dim > 1, first splits
+    them by expert across ``ep`` (:func:`fsdptx.expert_parallel`; the
+    expert modules dispatch tokens themselves, see docs/manager.md).
+    :meth:`plan` is the pure dry run; :meth:`parallelize` applies exactly
+    that Plan.
 
     Args:
         config: the settings.
@@ -375,6 +380,8 @@ class FSDP2Manager:
                 functools.partial(shard_by_dtype, expert_modules=self._expert_modules(model), blocks=blocks),
                 functools.partial(shard_across_blocks, module_names=cfg.cross_block_modules, blocks=blocks),
             ]
+        if ep_size(self.moe_mesh) > 1:
+            steps.append(functools.partial(expert_parallel, expert_modules=self._expert_modules(model)))
         steps.append(mark_reduction)
         if units:
             steps.append(functools.partial(reshard_policy, pipeline_parallel=dims.pp > 1))

@@ -24,13 +24,14 @@ from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, c
 from ..core._args import require_module
 from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions
 from ..core._names import join_names
-from ..core._meshes import fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
+from ..core._meshes import ep_size, fsdp_mesh, moe_dp_dims, moe_fsdp_mesh, parallel_dims, tp_mesh
 from ..model._index import ModelIndex
 from ..model._unit_checks import module_problems
 from ..plan._json import described_style_problems
 from ..plan._resolve import claim
 from ..plan._types import Checkpointing, Plan, Unit, marks_under_exclusions, preview
 from ..plan._vouch import MarkTargets, reductions_by_module, settings_problems, vouched_modules
+from ._experts import HandEpMesh, divide_expert_gradients, expert_parallel_problems, hand_ep_mesh, split_experts
 from ._unused import configure_units_of
 from ..core._policy import primitive_policy
 from ..core._tree import get_module_from_path
@@ -230,11 +231,18 @@ def _claim_problems(
 
 
 def _check_against_mesh(
-    plan: Plan, model: nn.Module, mesh: object, moe_mesh: DeviceMesh | None, index: ModelIndex | None
+    plan: Plan,
+    model: nn.Module,
+    mesh: object,
+    moe_mesh: DeviceMesh | None,
+    index: ModelIndex | None,
+    hand: HandEpMesh = hand_ep_mesh,
 ) -> list[str]:
     """What only the meshes can tell: the dims are known, a TP plan has a
     ``tp`` dim to run on and fits its size, expert units have a MoE mesh,
-    and an int ``reshard_after_forward`` divides the shard dim."""
+    expert parallelism fits the MoE mesh's ``ep`` dim (see
+    :func:`~fsdptx.apply._experts.expert_parallel_problems`), and an int
+    ``reshard_after_forward`` divides the shard dim."""
     problems: list[str] = _offload_problems(plan)
     if not isinstance(mesh, DeviceMesh):
         # Another framework's mesh object, handed to its own primitive as is.
@@ -272,6 +280,7 @@ def _check_against_mesh(
             moe_dp_dims(moe_mesh, mesh)
         except (TypeError, ValueError) as e:
             problems.append(str(e))
+    problems.extend(expert_parallel_problems(plan, model, moe_mesh, hand))
     sized = [(i, u) for i, u in enumerate(plan.units) if type(u.reshard_after_forward) is int]
     problems.extend(
         f"unit {i} ({join_names(u.modules)}): reshard_after_forward={u.reshard_after_forward} "
@@ -480,6 +489,7 @@ def apply_plan(
     shard_module: ShardModule = fully_shard,
     parallelize_module: ParallelizeModule = torch_parallelize_module,
     checkpoint_module: CheckpointModule = composable_checkpoint,
+    hand_ep_mesh: HandEpMesh = hand_ep_mesh,
 ) -> nn.Module:
     """Carry out ``plan`` on ``model``; returns ``model``.
 
@@ -488,10 +498,14 @@ def apply_plan(
     modules); on any problem a :class:`PlanMismatchError` lists them all and
     the model is untouched. Then, in this fixed order: tensor parallelism
     (one ``parallelize_module`` call on the ``tp`` submesh), activation
-    checkpointing, one ``shard_module`` call per FSDP unit in plan order (a
-    list of modules for a multi-module unit; expert units on ``moe_mesh``'s
-    data-parallel dims), prefetch chains, unused-parameter reduction, then
-    the TP-replica reduction marks and exclusions.
+    checkpointing, expert parallelism (each expert weight split ``Shard(0)``
+    across ``moe_mesh``'s ``ep`` dim, then ``hand_ep_mesh(expert_module,
+    ep_mesh)``, by default the module's ``set_expert_parallel_mesh``), one
+    ``shard_module`` call per FSDP unit in plan order (a list of modules
+    for a multi-module unit; expert units on ``moe_mesh``'s data-parallel
+    dims, HSDP where one replicates, their gradients divided by ``ep`` x
+    those dims under expert parallelism), prefetch chains, unused-parameter
+    reduction, then the TP-replica reduction marks and exclusions.
 
     ``mesh`` is read by dim names (``dp_replicate``, ``dp_shard``/``dp``,
     ``cp``, ``tp``, ``pp``); FSDP shards over the data-parallel dims with
@@ -509,6 +523,8 @@ def apply_plan(
         parallelize_module: the TP primitive (``parallelize_module``).
         checkpoint_module: the activation-checkpoint primitive (torch's
             composable ``checkpoint``).
+        hand_ep_mesh: tells an expert module its ``ep`` mesh under expert
+            parallelism (default: its ``set_expert_parallel_mesh``).
 
     Returns:
         ``model``, parallelized in place.
@@ -532,6 +548,7 @@ def apply_plan(
         shard_module=shard_module,
         parallelize_module=parallelize_module,
         checkpoint_module=checkpoint_module,
+        hand_ep_mesh=hand_ep_mesh,
     )
 
 
@@ -545,6 +562,7 @@ def apply_indexed(
     shard_module: ShardModule = fully_shard,
     parallelize_module: ParallelizeModule = torch_parallelize_module,
     checkpoint_module: CheckpointModule = composable_checkpoint,
+    hand_ep_mesh: HandEpMesh = hand_ep_mesh,
 ) -> nn.Module:
     """:func:`apply_plan` reading ``index``, the model's index as it is now
     (``None``: walk the model). ``FSDP2Manager.parallelize`` hands on the
@@ -569,6 +587,7 @@ def apply_indexed(
         shard_module=shard_module,
         parallelize_module=parallelize_module,
         checkpoint_module=checkpoint_module,
+        hand_ep_mesh=hand_ep_mesh,
     )
 
 
@@ -584,6 +603,7 @@ def apply_resolved(
     shard_module: ShardModule = fully_shard,
     parallelize_module: ParallelizeModule = torch_parallelize_module,
     checkpoint_module: CheckpointModule = composable_checkpoint,
+    hand_ep_mesh: HandEpMesh = hand_ep_mesh,
 ) -> nn.Module:
     """:func:`apply_plan` once the units are checked against the model and
     ``resolved`` holds each unit's modules: the mesh, checkpointing and
@@ -594,7 +614,7 @@ def apply_resolved(
     model's index as it is now; see :func:`_finder`)."""
     find = _finder(model, index)
     _fail(described_style_problems(plan))  # before the TP checks, which read the styles
-    problems = _check_against_mesh(plan, model, mesh, moe_mesh, index)
+    problems = _check_against_mesh(plan, model, mesh, moe_mesh, index, hand_ep_mesh)
     problems += _check_checkpointing(plan.checkpointing, find)
     problems += _check_prefetch(plan)
     _fail(problems)
@@ -614,11 +634,15 @@ def apply_resolved(
         extra = {"context_fn": _selective_context} if plan.checkpointing.mode == "selective" else {}
         for fqn in plan.checkpointing.modules:
             checkpoint_module(find(fqn), **extra)
+    if plan.expert_parallel is not None and moe_mesh is not None:
+        split_experts(model, plan.expert_parallel, moe_mesh, hand_ep_mesh)
     for unit, mods in zip(plan.units, resolved):
         kwargs = shard_kwargs(unit, moe if unit.mesh == "moe" else dense)
         if unit.ignored_params:
             kwargs["ignored_params"] = {_live_param(find, f) for f in unit.ignored_params}
         shard_module(mods[0] if len(mods) == 1 else mods, **kwargs)
+        if unit.mesh == "moe" and moe_mesh is not None and ep_size(moe_mesh) > 1:
+            divide_expert_gradients(mods, moe_mesh, moe)
     for chain in plan.prefetch:
         unit_module = find(chain.unit)
         if isinstance(unit_module, FSDPModule):

@@ -69,11 +69,17 @@ def _tp_dim(p: torch.Tensor) -> int | None:
     return None
 
 
-def param_shards(model: nn.Module, p: Plan, dims: ParallelDims, *, fsdp_applied: bool) -> dict[str, ParamShard]:
+def param_shards(
+    model: nn.Module, p: Plan, dims: ParallelDims, *, fsdp_applied: bool, moe: tuple[int, int] | None = None
+) -> dict[str, ParamShard]:
     """Rank 0's shard of every distinct parameter (tied ones once, under the
     name the Plan uses). With FSDP applied, the local DTensor shard is read;
-    otherwise FSDP's split is computed from the shape."""
+    otherwise FSDP's split is computed from the shape: over ``dims``'s
+    shard dims, or for expert units over the MoE mesh's (``moe``: its FSDP
+    shard count and ``ep`` size; experts split by expert are divided by
+    ``ep`` as well)."""
     owned = p.owned_params
+    split = set(p.expert_parallel.params) if p.expert_parallel is not None else set()
     by_id: dict[int, tuple[str, torch.Tensor]] = {}
     for name, tensor in model.named_parameters(remove_duplicate=False):
         seen = by_id.get(id(tensor))
@@ -87,6 +93,8 @@ def param_shards(model: nn.Module, p: Plan, dims: ParallelDims, *, fsdp_applied:
             local_numel = local.numel()
         else:
             shards = dims.dp_shard if fqn in owned else 1
+            if moe is not None and fqn in owned and p.units[owned[fqn]].mesh == "moe":
+                shards = moe[0] * (moe[1] if fqn in split else 1)
             local_numel = math.prod(local_shape(tuple(param.shape), tp_dim=tp_dim, tp=dims.tp, shards=shards))
         out[fqn] = ParamShard(
             fqn=fqn,

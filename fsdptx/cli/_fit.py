@@ -3,7 +3,9 @@
 Every mesh the world allows (``dp_replicate`` x ``dp_shard`` x ``tp``,
 ``tp`` up to 8 and only where the model's TP plan divides), activation
 checkpointing off / selective / full, and optimizer-state offload off / on,
-each with its predicted per-rank peak and its communication per step.
+each with its predicted per-rank peak and its communication per step. With
+``--ep N`` each mesh also splits the experts across ``N`` of its shard x TP
+ranks (:attr:`Candidate.moe_mesh`).
 
 Fast because almost nothing depends on everything:
 
@@ -89,6 +91,7 @@ class Candidate:
     comm_bytes: dict[str, int]
     extrapolated: bool
     mp: str = "bf16"  # the dry run's --mp: bf16 is FSDP2Config's default policy
+    ep: int = 1  # experts split across this many ranks (--fit --ep)
 
     @property
     def comm_total(self) -> int:
@@ -97,6 +100,16 @@ class Candidate:
     @property
     def mesh_arg(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.mesh.items())
+
+    @property
+    def moe_mesh(self) -> dict[str, int] | None:
+        """The experts' mesh under ``--ep``: the dense mesh's replicate dim,
+        then its shard and TP ranks regrouped as ``ep_shard x ep``."""
+        if self.ep == 1:
+            return None
+        rep = self.mesh.get("dp_replicate", 1)
+        shard = self.mesh["dp_shard"] * self.mesh.get("tp", 1) // self.ep
+        return {**({"dp_replicate": rep} if rep > 1 else {}), "ep_shard": shard, "ep": self.ep}
 
     def config_text(self) -> str:
         """The ``FSDP2Config`` that reproduces this candidate (beside the
@@ -116,11 +129,18 @@ class Candidate:
                 f"mp_policy=MixedPrecisionPolicy(param_dtype=torch.{dtype}, reduce_dtype=torch.float32, "
                 f"output_dtype=torch.{dtype})"
             )
-        return f"FSDP2Config({', '.join(parts)})"
+        config = f"FSDP2Config({', '.join(parts)})"
+        moe = self.moe_mesh
+        if moe is None:
+            return config
+        return f"{config}, moe_mesh=init_device_mesh(..., {tuple(moe.values())}, mesh_dim_names={tuple(moe)})"
 
     def cli_args(self) -> list[str]:
         """``python -m fsdptx plan`` options that re-plan this candidate."""
         args = ["--mesh", self.mesh_arg]
+        moe = self.moe_mesh
+        if moe is not None:
+            args += ["--moe-mesh", ",".join(f"{k}={v}" for k, v in moe.items())]
         if self.mesh.get("tp", 1) > 1:
             args.append("--sp")
         if self.activation_checkpointing:
@@ -134,6 +154,7 @@ class Candidate:
     def to_json(self) -> dict[str, Any]:
         return {
             "mesh": self.mesh,
+            "moe_mesh": self.moe_mesh,
             "activation_checkpointing": self.activation_checkpointing or None,
             "offload": self.offload,
             "peak_bytes": self.peak_bytes,
@@ -202,8 +223,11 @@ def evaluate(
     full_plan: Plan,
     layers: int,
     optimizer: str,
+    ep: int = 1,
 ) -> Candidate:
-    """Predict one candidate from the traces of its (tp, checkpointing)."""
+    """Predict one candidate from the traces of its (tp, checkpointing);
+    ``full_shards`` (and the traces' shard functions) already split the
+    experts across ``ep``."""
     shard = mesh["dp_shard"]
     rep = mesh.get("dp_replicate", 1)
     tp = mesh.get("tp", 1)
@@ -241,15 +265,28 @@ def evaluate(
         optimizer_bytes=0 if offload else states,
         comm_bytes=comm,
         extrapolated=len(measured.traces) > 1,
+        ep=ep,
     )
 
 
-def shards_for(model: nn.Module, plan: Plan, dims: Any) -> Callable[[int], dict[str, ParamShard]]:
-    """Rank 0's shards of ``model`` (TP applied) for any FSDP shard count."""
+def shards_for(model: nn.Module, plan: Plan, dims: Any, ep: int = 1) -> Callable[[int], dict[str, ParamShard]]:
+    """Rank 0's shards of ``model`` (TP applied) for any FSDP shard count.
+
+    With ``ep`` > 1 the experts (the plan's units on the MoE mesh) are
+    split across ``ep`` and FSDP-sharded over the rest of the shard and TP
+    ranks, as :attr:`Candidate.moe_mesh` lays them out."""
+    from ..plan._expert_parallel import expert_parallel
     from ._common import param_shards
 
+    split = expert_parallel(model, plan) if ep > 1 else plan
+    if split.expert_parallel is not None:
+        uneven = [f"{m} ({n} experts)" for m, n in zip(split.expert_parallel.modules, split.expert_parallel.num_experts) if n % ep]
+        if uneven:
+            raise ValueError(f"--ep {ep} does not divide the expert count of {', '.join(uneven[:3])}")
+
     def at(dp_shard: int) -> dict[str, ParamShard]:
-        return param_shards(model, plan, dataclasses.replace(dims, dp_shard=dp_shard), fsdp_applied=False)
+        moe = (dp_shard * dims.tp // ep, ep) if ep > 1 else None
+        return param_shards(model, split, dataclasses.replace(dims, dp_shard=dp_shard), fsdp_applied=False, moe=moe)
 
     return at
 
@@ -276,6 +313,7 @@ def search(
     seq: int,
     optimizer: str,
     config: Callable[..., Any],
+    ep: int = 1,
 ) -> FitResult:
     """Evaluate every candidate of a ``gpus``-rank world against ``budget`` bytes.
 
@@ -289,6 +327,11 @@ def search(
         seq: tokens per sequence.
         optimizer: ``adamw``, ``sgd`` or ``none``.
         config: ``FSDP2Config`` with the dry run's fixed settings bound.
+        ep: split the experts across this many ranks in every candidate
+            (their MoE mesh: :attr:`Candidate.moe_mesh`); meshes whose
+            shard x TP ranks it does not divide are skipped. The traces run
+            with the experts whole (their forward needs the model's token
+            dispatch), so gathered experts count whole: an upper bound.
 
     Returns:
         A :class:`FitResult`.
@@ -303,15 +346,22 @@ def search(
     skipped: list[str] = []
     for tp in sorted({m.get("tp", 1) for m in meshes(gpus)}):
         tp_meshes = [m for m in meshes(gpus) if m.get("tp", 1) == tp]
+        uneven = [m for m in tp_meshes if (m["dp_shard"] * tp) % ep]
+        skipped += [f"--mesh {','.join(f'{k}={v}' for k, v in m.items())}: ep={ep} does not divide its dp_shard x tp ranks" for m in uneven]
+        tp_meshes = [m for m in tp_meshes if m not in uneven]
+        if not tp_meshes:
+            continue
         names = ("dp_shard", "tp") if tp > 1 else ("dp_shard",)
         shape = (2, tp) if tp > 1 else (2,)
+        # the experts as units of their own (whole, on a MoE mesh without ep), to split by ep from shapes
+        moe = ((2 * tp,), ("ep_shard",)) if ep > 1 else None
         full_model = build(None)
         try:
-            full = dry_run(full_model, shape, names, config(sequence_parallel=tp > 1))
+            full = dry_run(full_model, shape, names, config(sequence_parallel=tp > 1), moe=moe)
         except ValueError as e:  # the TP plan does not divide: not a candidate
             skipped.append(f"tp={tp}: {' '.join(str(e).split())[:200]}")
             continue
-        full_at = shards_for(full_model, full.plan, full.dims)
+        full_at = shards_for(full_model, full.plan, full.dims, ep)
         for ac in AC_MODES:
             traced = []
             for n in counts:
@@ -319,16 +369,16 @@ def search(
                 if ac:
                     disable_kv_cache(model)  # as the dry run and a training run with checkpointing do
                 setting = config(sequence_parallel=tp > 1, activation_checkpointing=ac)
-                run = dry_run(model, shape, names, setting, batch_seq=(batch, seq))
+                run = dry_run(model, shape, names, setting, batch_seq=(batch, seq), moe=moe)
                 if run.trace is None:  # dry_run traces whenever batch_seq is given
                     raise RuntimeError(f"no trace for tp={tp}, activation_checkpointing={ac!r}")
-                traced.append((n or 0, run.trace, shards_for(model, run.plan, run.dims)))
+                traced.append((n or 0, run.trace, shards_for(model, run.plan, run.dims, ep)))
             measured = _Measured(tuple(traced))
             for mesh in tp_meshes:
                 for offload in (False, True):
                     shards = full_at(mesh["dp_shard"])
                     candidates.append(
-                        evaluate(mesh, ac, offload, measured, shards, full.plan, layers or 0, optimizer)
+                        evaluate(mesh, ac, offload, measured, shards, full.plan, layers or 0, optimizer, ep)
                     )
     return FitResult(gpus, budget, tuple(candidates), rank(candidates, budget), tuple(skipped))
 
@@ -365,7 +415,9 @@ def run_fit(args: Any) -> str:
         return FSDP2Config(mp_policy=mp_policy(args.mp), **kw)
 
     try:
-        result = search(build, layers, gpus, budget, batch=batch, seq=seq, optimizer=args.optimizer, config=config)
+        result = search(
+            build, layers, gpus, budget, batch=batch, seq=seq, optimizer=args.optimizer, config=config, ep=args.ep
+        )
         result = dataclasses.replace(
             result,
             candidates=tuple(dataclasses.replace(c, mp=args.mp) for c in result.candidates),
@@ -399,7 +451,7 @@ def run_fit(args: Any) -> str:
     for i, c in enumerate(result.fitting, 1):
         comm = ", ".join(f"{k} {format_bytes(v)}" for k, v in c.comm_bytes.items() if v)
         lines.append(
-            f"{i:3}. --mesh {c.mesh_arg}  ac={c.activation_checkpointing or 'off'}  offload={'on' if c.offload else 'off'}"
+            f"{i:3}. {' '.join(c.cli_args()[:4 if c.ep > 1 else 2])}  ac={c.activation_checkpointing or 'off'}  offload={'on' if c.offload else 'off'}"
             f"  peak {format_bytes(c.peak_bytes)}  comm {format_bytes(c.comm_total)} ({comm or 'none'})"
         )
         lines.append(f"     {c.config_text()}  # python -m fsdptx plan <model options> {' '.join(c.cli_args())}")

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from ..core._meshes import KNOWN_DIMS
+from ..core._meshes import KNOWN_DIMS, MOE_KNOWN_DIMS
 from ..core._names import join_names
 from ..core._sizes import format_bytes
 from ..plan._json import plan_document
@@ -38,7 +38,7 @@ from ._common import MAX_LAYERS, MAX_WORLD, UsageError, _DTYPES, _dtype, _one_li
 from ._diff import PlanFileError, add_diff_parser, run_diff
 from ._memory import disable_kv_cache, memory_json, memory_text
 from ._report import OPTIMIZER_STATES, PAD_FLAG_RATIO, MemoryPlan, UnitTraffic, memory_plan, step_traffic
-from ._run import DryRun, _batch_seq, build_model, dry_run, parse_hf_config, parse_mesh
+from ._run import DryRun, _batch_seq, build_model, dry_run, parse_hf_config, parse_mesh, parse_moe_mesh
 
 # The pipeline of plain ``fsdptx.plan`` (no manager): kept for callers that
 # compare against it; the CLI itself runs the manager's pipeline.
@@ -53,7 +53,16 @@ class _Parser(argparse.ArgumentParser):
 def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, optimizer: str) -> dict[str, Any]:
     """The whole report as JSON-ready data; :func:`render` prints the same figures."""
     p, dims = run.plan, run.dims
-    mem = memory_plan(p, run.shards, dp_shard=dims.dp_shard, tp=dims.tp, optimizer=optimizer)
+    moe = run.moe
+    mem = memory_plan(
+        p,
+        run.shards,
+        dp_shard=dims.dp_shard,
+        tp=dims.tp,
+        optimizer=optimizer,
+        moe_shard=None if moe is None else moe.shard,
+        ep=1 if moe is None else moe.ep,
+    )
     traffic = step_traffic(p)
     units = []
     for i, (u, t, m) in enumerate(zip(p.units, traffic, mem.units)):
@@ -90,6 +99,10 @@ def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, o
             "tp": dims.tp,
             "pp": dims.pp,
         },
+        "moe_mesh": None if moe is None else {"mesh": moe.mesh, "ep": moe.ep, "expert_fsdp_shard": moe.shard},
+        "expert_bytes_per_rank": sum(
+            s.local_numel * s.dtype.itemsize for f, s in run.shards.items() if f in _expert_params(p)
+        ),
         "applied": run.applied,
         "mp_policy": _policy_json(p.mp_policy),
         "model_bytes": sum(s.numel * s.dtype.itemsize for s in run.shards.values()),
@@ -120,6 +133,11 @@ def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, o
     if run.trace is not None:
         data["memory"].update(memory_json(run.trace, run.shards, optimizer))
     return data
+
+
+def _expert_params(p: Plan) -> set[str]:
+    """Parameters of the units on the MoE mesh."""
+    return {f for u in p.units if u.mesh == "moe" for f in u.params}
 
 
 def _policy_json(policy: MixedPrecisionPolicy | None) -> dict[str, str | None] | None:
@@ -169,6 +187,27 @@ def _mesh_line(data: dict[str, Any]) -> str:
     return "; ".join(parts) + f"; {mp}"
 
 
+def _moe_lines(data: dict[str, Any]) -> list[str]:
+    """What ``--moe-mesh`` does to the experts, when given."""
+    moe = data["moe_mesh"]
+    if moe is None:
+        return []
+    mesh = ", ".join(f"{k}={v}" for k, v in moe["mesh"].items())
+    split = f"split by expert across ep={moe['ep']}, then " if moe["ep"] > 1 else ""
+    return [f"experts on the MoE mesh {mesh}: {split}FSDP over {moe['expert_fsdp_shard']} ranks"]
+
+
+def _applied_line(data: dict[str, Any]) -> str:
+    moe = data["moe_mesh"]
+    if data["applied"] == "full" and moe is not None and moe["ep"] > 1:
+        return (
+            "applied with apply_plan on the fake mesh, expert weights split across ep but the model's token "
+            "dispatch not set up (the dry run runs no forward through the experts); bytes per rank are rank 0's "
+            "DTensor shards"
+        )
+    return _APPLIED[data["applied"]]
+
+
 _APPLIED = {
     "full": "applied with FSDP2Manager.parallelize on the fake mesh; bytes per rank are rank 0's DTensor shards",
     "tp": (
@@ -188,7 +227,8 @@ def render(data: dict[str, Any], p: Plan) -> str:
     lines = [f"warning: {w}" for w in data["warnings"]] + [
         f"fsdptx plan: {data['model']} on a fake mesh {mesh} ({data['world_size']} ranks)",
         _mesh_line(data),
-        _APPLIED[data["applied"]],
+        *_moe_lines(data),
+        _applied_line(data),
         "",
     ]
     units = data["units"]
@@ -253,7 +293,14 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
     m, d = data["memory"], data["dims"]
     split = d["dp_shard"] * (d["tp"] if d["tp"] > 1 else 1)
     params = f"{format_bytes(m['params_bytes'])} ({m['params_bytes']:,} B"
-    if d["tp"] == 1:
+    moe = data["moe_mesh"]
+    if moe is not None:  # experts and dense params split differently
+        experts = data["expert_bytes_per_rank"]
+        params += (
+            f" of {data['model_bytes']:,} B: experts {experts:,} B, split over ep={moe['ep']} x "
+            f"{moe['expert_fsdp_shard']} shards; the rest over {split} ranks"
+        )
+    elif d["tp"] == 1:
         params += f" = {data['model_bytes']:,} B / {d['dp_shard']} shards"
     else:  # TP-replicated params (norms) split over dp_shard only
         params += f" of {data['model_bytes']:,} B over {split} ranks"
@@ -301,6 +348,13 @@ def _parser() -> _Parser:
         default="dp=8",
         help=f"fake mesh, e.g. dp=8, dp=2,tp=4, dp_replicate=2,dp_shard=4 (axes: {', '.join(KNOWN_DIMS)})",
     )
+    p.add_argument(
+        "--moe-mesh",
+        metavar="NAME=SIZE,...",
+        help="the experts' view of the same ranks, e.g. dp_shard=2,ep=2: expert modules shard over its "
+        "data-parallel axes and, with ep > 1, are split by expert across ep (axes: "
+        f"{', '.join(MOE_KNOWN_DIMS)})",
+    )
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with a tp axis)")
     p.add_argument(
         "--loss-parallel", action="store_true", help="keep the head's logits vocabulary-sharded (with a tp axis)"
@@ -337,6 +391,14 @@ def _parser() -> _Parser:
         help="list the meshes, checkpointing and offload settings whose traced peak fits, e.g. 64x80GiB "
         "(ignores --mesh/--sp/--ac/--offload; traces --batch/--seq)",
     )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --fit: split the experts across N ranks in every candidate (MoE mesh "
+        "[dp_replicate x] ep_shard x ep, ep taken from dp_shard x tp; default 1: experts in their blocks)",
+    )
     p.add_argument("--html", metavar="FILE", help="write a self-contained picture of the traced step to FILE")
     p.add_argument("--json", action="store_true", help="print the same report as JSON (the plan under \"plan\")")
     add_diff_parser(sub)
@@ -349,8 +411,19 @@ def run_plan(args: argparse.Namespace) -> str:
     if args.fit is not None:
         from ._fit import run_fit
 
+        if args.ep < 1:
+            raise UsageError(f"--ep must be >= 1, got {args.ep}")
+        if args.moe_mesh is not None:
+            raise UsageError(
+                "--fit derives each candidate's MoE mesh itself and would ignore --moe-mesh; use --ep N to "
+                "split the experts across N ranks in every candidate"
+            )
+
         return run_fit(args)
+    if args.ep != 1:
+        raise UsageError("--ep applies to --fit; for one mesh give --moe-mesh with an ep axis")
     shape, names = parse_mesh(args.mesh)
+    moe = None if args.moe_mesh is None else parse_moe_mesh(args.moe_mesh, math.prod(shape))
     model, name = build_model(args)
     config = FSDP2Config(
         sequence_parallel=args.sp,
@@ -366,7 +439,7 @@ def run_plan(args: argparse.Namespace) -> str:
     if batch_seq is not None and args.offload:  # traced without it: see fsdptx.cli._memory.estimate_from_trace
         config = dataclasses.replace(config, offload_policy=None)
     try:
-        run = dry_run(model, shape, names, config, batch_seq=batch_seq)
+        run = dry_run(model, shape, names, config, batch_seq=batch_seq, moe=moe)
     except ValueError as e:  # the planner's own message names what to change
         raise UsageError(f"cannot plan {name}: {_one_line(e)}") from None
     except TypeError as e:  # typically a declaration of the wrong type (_no_split_modules = 5)

@@ -205,7 +205,12 @@ class MemoryPlan:
         return 0 if self.largest_unit is None else self.units[self.largest_unit].gathered
 
 
-def _unit_memory(unit: Unit, shards: Mapping[str, ParamShard], dp_shard: int, tp: int) -> UnitMemory:
+def _unit_memory(
+    unit: Unit, shards: Mapping[str, ParamShard], dp_shard: int, tp: int, split: Mapping[str, int]
+) -> UnitMemory:
+    """One unit's bytes; ``dp_shard`` is the shard count of the unit's own
+    mesh, ``split`` the ``ep`` size of parameters split by expert (the
+    all-gather output is then this EP rank's experts, not all of them)."""
     params = ideal = gathered = reduce_input = 0
     policy = unit.mp_policy
     for fqn in unit.params:
@@ -214,7 +219,7 @@ def _unit_memory(unit: Unit, shards: Mapping[str, ParamShard], dp_shard: int, tp
         reduce = (policy.reduce_dtype if policy else None) or compute
         unsharded = s.local_numel * dp_shard  # the all-gather output, padding included
         params += s.local_numel * s.dtype.itemsize
-        ideal_numel = s.numel / (dp_shard * (tp if s.tp_sharded else 1))
+        ideal_numel = s.numel / (dp_shard * (tp if s.tp_sharded else 1) * split.get(fqn, 1))
         ideal += int(round(ideal_numel * s.dtype.itemsize))
         gathered += unsharded * compute.itemsize
         if s.requires_grad:
@@ -233,23 +238,36 @@ def memory_plan(
     dp_shard: int,
     tp: int = 1,
     optimizer: str = "adamw",
+    moe_shard: int | None = None,
+    ep: int = 1,
 ) -> MemoryPlan:
     """The per-rank memory of one training step under ``plan`` (pure).
 
     ``shards`` has every parameter of the model (also those no unit owns:
     they count in full on every rank); ``dp_shard`` is the FSDP shard count
     (``cp`` folded in, ``dp_replicate`` not: replicas hold the same shard).
+    Expert units on the MoE mesh shard ``moe_shard`` ways (default
+    ``dp_shard``), and parameters the plan splits by expert are divided
+    by ``ep`` first: a rank holds ``1 / (ep * moe_shard)`` of them.
     See :class:`MemoryPlan` for what is and is not counted.
     """
     from ..plan._refine import block_units  # local: _refine imports the planner
 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
-    units = tuple(_unit_memory(u, shards, dp_shard, tp) for u in plan.units)
+    split = {f: ep for f in plan.expert_parallel.params} if plan.expert_parallel is not None else {}
+    on_moe = [moe_shard if moe_shard is not None and u.mesh == "moe" else dp_shard for u in plan.units]
+    units = tuple(_unit_memory(u, shards, n, tp, split) for u, n in zip(plan.units, on_moe))
     params = sum(s.local_numel * s.dtype.itemsize for s in shards.values())
     owned = plan.owned_params
     params_ideal = sum(
-        int(round(s.numel * s.dtype.itemsize / ((dp_shard if s.fqn in owned else 1) * (tp if s.tp_sharded else 1))))
+        int(
+            round(
+                s.numel
+                * s.dtype.itemsize
+                / ((on_moe[owned[s.fqn]] if s.fqn in owned else 1) * (tp if s.tp_sharded else 1) * split.get(s.fqn, 1))
+            )
+        )
         for s in shards.values()
     )
     grads = sum(s.local_numel * s.dtype.itemsize for s in shards.values() if s.requires_grad)

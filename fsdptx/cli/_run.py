@@ -21,7 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from ..apply._apply import apply_plan
-from ..core._meshes import KNOWN_DIMS, ParallelDims
+from ..core._meshes import KNOWN_DIMS, MOE_KNOWN_DIMS, ParallelDims, ep_size, moe_fsdp_mesh
 from ..plan._types import Plan, Unit, _format_requests, reshards_after_forward
 from ..plan._json import plan_document
 from ._report import OPTIMIZER_STATES, MemoryPlan, ParamShard, UnitTraffic, local_shape, memory_plan, step_traffic
@@ -53,6 +53,31 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     if not any(n in _DP_DIMS for n in names):
         raise UsageError(
             f"--mesh {text!r} has no data-parallel axis ({', '.join(_DP_DIMS)}); add dp=1 for tensor parallelism alone"
+        )
+    return tuple(shape), tuple(names)
+
+
+def parse_moe_mesh(text: str, world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``--moe-mesh "dp_shard=2,ep=2"`` -> ``((2, 2), ("dp_shard", "ep"))``:
+    the experts' view of the same ``world`` ranks as ``--mesh`` (refused
+    when it spans another number of ranks, or names a dim a MoE mesh
+    cannot have)."""
+    shape: list[int] = []
+    names: list[str] = []
+    for item in text.split(","):
+        name, sep, size = item.strip().partition("=")
+        if not sep or not name.isidentifier() or not (size.isascii() and size.isdigit()) or int(size) < 1:
+            raise UsageError(f"malformed --moe-mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...] such as dp_shard=2,ep=2")
+        if name in names:
+            raise UsageError(f"malformed --moe-mesh {text!r}: axis {name!r} appears twice")
+        if name not in MOE_KNOWN_DIMS:
+            raise UsageError(f"--moe-mesh {text!r}: unknown axis {name!r}; name each axis one of {', '.join(MOE_KNOWN_DIMS)}")
+        names.append(name)
+        shape.append(int(size))
+    if math.prod(shape) != world:
+        raise UsageError(
+            f"--moe-mesh {text!r} spans {math.prod(shape):,} ranks but --mesh spans {world:,}; "
+            "the MoE mesh is another view of the same ranks"
         )
     return tuple(shape), tuple(names)
 
@@ -156,11 +181,23 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
 
 
 @dataclass(frozen=True)
+class MoeDims:
+    """The dry run's MoE mesh: its dims, the ``ep`` size experts are split
+    across, and the FSDP shard count of expert units (the MoE mesh's
+    data-parallel shard dims; its replicate dims hold copies)."""
+
+    mesh: dict[str, int]
+    ep: int
+    shard: int
+
+
+@dataclass(frozen=True)
 class DryRun:
     """What the dry run produced: the Plan, each parameter's rank-0 shard,
     and how it got them (``applied``: ``"full"`` when ``parallelize`` ran,
     ``"tp"`` when only TP was applied and FSDP shards were computed from
-    shapes, ``"none"`` when nothing needed applying)."""
+    shapes, ``"none"`` when nothing needed applying); ``moe`` with
+    ``--moe-mesh``."""
 
     plan: Plan
     dims: ParallelDims
@@ -168,6 +205,14 @@ class DryRun:
     applied: str
     params: int
     trace: Trace | None = None
+    moe: MoeDims | None = None
+
+
+def _not_dispatched(module: nn.Module, mesh: object) -> None:
+    """The dry run's stand-in for telling expert modules their ep mesh: it
+    places the expert weights and never runs a forward through them, so
+    the model's token dispatch is not needed (nor checked) here."""
+    del module, mesh
 
 
 def dry_run(
@@ -177,34 +222,56 @@ def dry_run(
     config: Any,
     *,
     batch_seq: tuple[int, int] | None = None,
+    moe: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
 ) -> DryRun:
     """Plan with the manager and apply on a fake mesh (within :data:`APPLY_BUDGET`);
-    with ``batch_seq``, also trace one training step (:func:`trace_step`)."""
+    with ``batch_seq``, also trace one training step (:func:`trace_step`);
+    with ``moe`` (shape and dim names), expert modules shard over that MoE
+    mesh, split by expert across its ``ep`` dim when it has one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from ..manager import FSDP2Manager
     from ..testing import fake_mesh  # the fake backend is only needed here
 
     n_params = sum(1 for _ in model.parameters())
     with fake_mesh(shape, names) as mesh:
-        manager = FSDP2Manager(config, mesh)
+        moe_mesh = None if moe is None else init_device_mesh("cpu", moe[0], mesh_dim_names=moe[1])
+        manager = FSDP2Manager(config, mesh, moe_mesh)
         dims = manager.dims
         p = manager.plan(model)
+        ep = ep_size(moe_mesh)
+        if ep > 1 and batch_seq is not None:
+            raise UsageError(
+                "--batch/--seq/--html trace a training step, whose forward under expert parallelism needs the "
+                "model's token dispatch, which the dry run does not run; drop them or the ep dim of --moe-mesh"
+            )
+        moe_dims = None
+        if moe_mesh is not None and moe is not None:
+            flat = moe_fsdp_mesh(moe_mesh, mesh)
+            moe_dims = MoeDims(mesh=dict(zip(moe[1], moe[0])), ep=ep, shard=flat.size(flat.ndim - 1))
         tp_cost = n_params * (dims.tp if dims.tp > 1 else 0)
         fsdp_cost = n_params * (dims.dp_shard if p.units else 0)
         if tp_cost + fsdp_cost <= APPLY_BUDGET:
-            manager.parallelize(model)
+            if ep > 1:
+                apply_plan(p, model, mesh, moe_mesh=moe_mesh, hand_ep_mesh=_not_dispatched)
+            else:
+                manager.parallelize(model)
             applied = "full" if (p.units or p.tensor_parallel) else "none"
         elif tp_cost <= APPLY_BUDGET:
             # TP alone (and checkpointing, marks): the FSDP split is computed from shapes.
-            apply_plan(p.replace(units=(), prefetch=(), reduce_unused_params=False), model, mesh)
+            bare = p.replace(units=(), prefetch=(), reduce_unused_params=False, expert_parallel=None)
+            apply_plan(bare, model, mesh)
             applied = "tp" if p.tensor_parallel else "computed"
         else:
             raise UsageError(
                 f"tp={dims.tp} over {n_params:,} parameters is more than the dry run simulates "
                 f"({APPLY_BUDGET:,} parameter shards); use a smaller tp"
             )
-        shards = param_shards(model, p, dims, fsdp_applied=applied == "full")
+        shards = param_shards(
+            model, p, dims, fsdp_applied=applied == "full", moe=None if moe_dims is None else (moe_dims.shard, moe_dims.ep)
+        )
         trace = None if batch_seq is None else traced(model, p, applied, batch_seq, mesh)
-    return DryRun(plan=p, dims=dims, shards=shards, applied=applied, params=n_params, trace=trace)
+    return DryRun(plan=p, dims=dims, shards=shards, applied=applied, params=n_params, trace=trace, moe=moe_dims)
 
 
 def _batch_seq(args: argparse.Namespace) -> tuple[int, int] | None:

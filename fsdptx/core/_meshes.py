@@ -16,14 +16,36 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["KNOWN_DIMS", "MOE_DP_DIMS", "ParallelDims", "fsdp_mesh", "moe_dp_dims", "moe_fsdp_mesh", "parallel_dims", "tp_mesh", "unit_dp_mesh"]
+__all__ = [
+    "EP_DIM",
+    "KNOWN_DIMS",
+    "MOE_DP_DIMS",
+    "MOE_KNOWN_DIMS",
+    "ParallelDims",
+    "ep_mesh",
+    "ep_size",
+    "fsdp_mesh",
+    "moe_dp_dims",
+    "moe_fsdp_mesh",
+    "moe_gradient_divide_factor",
+    "parallel_dims",
+    "tp_mesh",
+    "unit_dp_mesh",
+]
 
 _SHARD_DIMS = ("dp_shard", "dp", "dp_shard_cp", "dp_cp", "cp")
 KNOWN_DIMS = ("dp_replicate", *_SHARD_DIMS, "tp", "pp")
-# Data-parallel dims of a MoE mesh; ``ep`` (expert parallel) is not one: the
-# model shards experts across it itself.
+# Data-parallel dims of a MoE mesh; ``ep`` (expert parallel) is not one:
+# experts are split across it on their expert dim, and the model sends each
+# token to the rank holding its expert.
 MOE_DP_DIMS = ("ep_replicate", "ep_shard", "dp_replicate", "dp_shard", "dp", "dp_shard_cp", "dp_cp", "cp")
-_MOE_KNOWN = (*MOE_DP_DIMS, "ep", "tp", "pp")
+# The MoE mesh's data-parallel dims that replicate experts (HSDP's dim 0);
+# the others shard them.
+_MOE_REPLICATE_DIMS = ("ep_replicate", "dp_replicate")
+EP_DIM = "ep"
+MOE_KNOWN_DIMS = (*MOE_DP_DIMS, EP_DIM, "tp", "pp")
+_MOE_FLAT_SHARD = "moe_dp_shard"
+_MOE_FLAT_REPLICATE = "moe_dp_replicate"
 _FLAT_SHARD = "dp_shard_cp"
 _REPLICATE_ONLY_SHARD = "dp_shard"  # the size-1 shard dim of a replicate-only mesh
 
@@ -149,7 +171,7 @@ def moe_dp_dims(moe_mesh: DeviceMesh, device_mesh: DeviceMesh) -> tuple[tuple[st
     """``moe_mesh``'s dim names and its data-parallel ones, checked against
     ``device_mesh``: both must span the same ranks (a MoE mesh is another
     view of the same world, not a subset of it)."""
-    names = _names(moe_mesh, _MOE_KNOWN, "moe_mesh")
+    names = _names(moe_mesh, MOE_KNOWN_DIMS, "moe_mesh")
     if moe_mesh.size() != device_mesh.size():
         raise ValueError(
             f"moe_mesh spans {moe_mesh.size()} ranks ({dict(zip(names, moe_mesh.shape))}) but device_mesh "
@@ -165,9 +187,64 @@ def moe_dp_dims(moe_mesh: DeviceMesh, device_mesh: DeviceMesh) -> tuple[tuple[st
 
 
 def moe_fsdp_mesh(moe_mesh: DeviceMesh, device_mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel dims of ``moe_mesh``, over which expert units shard."""
+    """The mesh expert units shard over: ``moe_mesh``'s data-parallel dims,
+    ``ep`` left out (experts are already split across it).
+
+    Like :func:`fsdp_mesh` for the dense model, a replicate dim
+    (``dp_replicate`` or ``ep_replicate``) is kept as dim 0, so experts get
+    HSDP too: sharded within a replica group, replicated across groups.
+    Several shard dims (or several replicate dims) are flattened into one.
+    A mesh whose only data-parallel dims replicate gets a shard dim of size
+    1 (every rank holds its experts whole, DDP style)."""
     names, dims = moe_dp_dims(moe_mesh, device_mesh)
-    sub = moe_mesh if dims == names else moe_mesh[dims if len(dims) > 1 else dims[0]]
-    # Several data-parallel dims are flattened into one: experts are fully
-    # sharded across all of them (no replicate dim for experts).
-    return sub if len(dims) == 1 else sub._flatten("moe_dp")
+    replicate = tuple(n for n in dims if n in _MOE_REPLICATE_DIMS)
+    shard = tuple(n for n in dims if n not in _MOE_REPLICATE_DIMS)
+    if not replicate:
+        sub = moe_mesh if shard == names else moe_mesh[shard if len(shard) > 1 else shard[0]]
+        return sub if len(shard) == 1 else sub._flatten(_MOE_FLAT_SHARD)
+    rep = replicate[0] if len(replicate) == 1 else _MOE_FLAT_REPLICATE
+    if not shard:
+        sub = moe_mesh[replicate[0]] if len(replicate) == 1 else moe_mesh[replicate]._flatten(rep)
+        return sub._unflatten(0, (sub.size(), 1), (rep, _REPLICATE_ONLY_SHARD))
+    sub = moe_mesh[replicate + shard]
+    if len(replicate) == 1 and len(shard) == 1:
+        return sub
+    # Several dims on a side: flatten all and split into (replicate, shard)
+    # again, rather than slicing flattened dims from the root (deprecated).
+    sizes = dict(zip(names, moe_mesh.shape))
+    shape = (math.prod(sizes[n] for n in replicate), math.prod(sizes[n] for n in shard))
+    shd = shard[0] if len(shard) == 1 else _MOE_FLAT_SHARD
+    return sub._flatten("moe_dp")._unflatten(0, shape, (rep, shd))
+
+
+def ep_size(moe_mesh: DeviceMesh | None) -> int:
+    """The size of ``moe_mesh``'s ``ep`` dim; 1 without a MoE mesh or an
+    ``ep`` dim (experts are then not split by expert)."""
+    if moe_mesh is None or EP_DIM not in (moe_mesh.mesh_dim_names or ()):
+        return 1
+    return int(moe_mesh.shape[list(moe_mesh.mesh_dim_names or ()).index(EP_DIM)])
+
+
+def ep_mesh(moe_mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D ``ep`` submesh experts are split across; ``ValueError`` when
+    ``moe_mesh`` has no ``ep`` dim."""
+    names = tuple(moe_mesh.mesh_dim_names or ())
+    if EP_DIM not in names:
+        raise ValueError(f"moe_mesh {dict(zip(names, moe_mesh.shape))} has no {EP_DIM!r} dim to split experts across")
+    return moe_mesh if names == (EP_DIM,) else moe_mesh[EP_DIM]
+
+
+def moe_gradient_divide_factor(moe_mesh: DeviceMesh) -> int:
+    """What expert gradients are divided by after FSDP sums them: the ranks
+    of ``moe_mesh``'s ``ep`` and data-parallel dims together.
+
+    Every one of those ranks sends its tokens into the experts (through the
+    model's all-to-all along ``ep``, then FSDP's reduction along the rest),
+    so an expert's summed gradient holds one contribution per rank, as a
+    dense parameter's does across the dense data-parallel ranks; dividing
+    by their number gives the same mean. FSDP alone would divide by the
+    data-parallel dims only, ``ep`` times too little under expert
+    parallelism. TP ranks folded into these dims count too: they feed the
+    experts the same tokens (the experts run on the whole sequence)."""
+    names = tuple(moe_mesh.mesh_dim_names or ())
+    return math.prod(s for n, s in zip(names, moe_mesh.shape) if n in MOE_DP_DIMS or n == EP_DIM)

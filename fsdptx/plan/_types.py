@@ -16,7 +16,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..core._names import ROOT, collapse_keyed, index_runs, join_names
+from ..core._names import ROOT, collapse_keyed, collapse_names, index_runs, join_names
 from ..core._sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ __all__ = [
     "Checkpointing",
     "CrossBlockRequest",
     "DtypeRequest",
+    "ExpertParallel",
     "Plan",
     "Prefetch",
     "REDUCTIONS",
@@ -208,6 +209,35 @@ class TensorParallel:
 
 
 @dataclass(frozen=True)
+class ExpertParallel:
+    """Expert parallelism: each expert module's parameters are split on
+    dim 0, their expert dim, across the MoE mesh's ``ep`` dim, so each EP
+    rank holds ``num_experts / ep`` whole experts; FSDP then shards those
+    over the MoE mesh's data-parallel dims.
+
+    ``modules`` are the expert modules (FQNs) and ``num_experts`` their
+    expert counts, in the same order; ``params`` every parameter split.
+    Sending each token to the rank that holds its expert (an all-to-all
+    along ``ep``) is the model's own forward: ``apply_plan`` hands each
+    expert module the ``ep`` mesh (see :mod:`fsdptx.apply._experts`).
+
+    Attributes:
+        modules: the expert modules' FQNs.
+        num_experts: each one's expert count, in the same order.
+        params: every parameter split on its expert dim.
+
+    Example::
+
+        ep = manager.plan(model).expert_parallel   # FSDP2Manager with moe_mesh ep > 1
+        print(ep.modules, ep.num_experts)
+    """
+
+    modules: tuple[str, ...]
+    num_experts: tuple[int, ...]
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Checkpointing:
     """Activation checkpointing requested for ``modules`` (the blocks).
 
@@ -351,6 +381,8 @@ class Plan:
     reduce_unused_params: bool = False
     # Module FQN globs of expert modules, sharded over the MoE mesh.
     expert_modules: tuple[str, ...] = ()
+    # Experts split by expert across the MoE mesh's ``ep`` dim.
+    expert_parallel: ExpertParallel | None = None
     # What a reader must know before trusting the plan (no blocks found,
     # say); str(plan) prints these first and FSDP2Manager logs them.
     warnings: tuple[str, ...] = ()
@@ -530,6 +562,14 @@ def _format_requests(plan: Plan) -> list[str]:
         if tp.loss_parallel:
             lines.append("  loss parallel: the head's logits stay vocabulary-sharded; compute the loss under fsdptx.loss_parallel()")
         lines.extend(_format_stream(tp.stream))
+    if plan.expert_parallel is not None:
+        ep = plan.expert_parallel
+        counts = sorted(set(ep.num_experts))
+        lines.append(
+            f"expert parallel: {len(ep.modules)} expert modules ({'/'.join(map(str, counts))} experts each), "
+            f"{len(ep.params)} params Shard(0) over the moe mesh's ep dim, then FSDP over its data-parallel dims"
+        )
+        lines.extend(f"  {m}  Shard(0) on ep" for m in collapse_names(ep.modules))
     if plan.checkpointing is not None:
         ac = plan.checkpointing
         lines.append(f"activation checkpointing ({ac.mode}): " + join_names(ac.modules))

@@ -402,8 +402,10 @@ def test_checkpointed_tp_sp_fsdp_model_runs_forward_and_backward(mode: str, mp: 
 
 
 def _moe_meshes(mesh: DeviceMesh) -> DeviceMesh:
-    """A MoE view of the same 4 ranks: ``ep`` (not data parallel) x ``ep_shard``."""
-    return DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("ep", "ep_shard"))
+    """A MoE view of the same 4 ranks: ``ep`` (not data parallel) of size 1
+    x ``ep_shard``. With ``ep`` > 1 the experts would be split by expert,
+    which needs a model that dispatches tokens (tests/test_expert_parallel_*)."""
+    return DeviceMesh("cpu", torch.arange(4).reshape(1, 4), mesh_dim_names=("ep", "ep_shard"))
 
 
 @pytest.mark.parametrize("source", ["config", "model-declaration"])
