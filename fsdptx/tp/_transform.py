@@ -20,6 +20,7 @@ from ..model._index import ModelIndex, PlanningError
 from ..plan._kinds import unit_blind
 from ..plan._transforms import block_fqns, model_index
 from ..plan._types import Plan, Reduction, TensorParallel, TPAssignment
+from ._experts import EXPERT_PARAM_STYLES, EXPERTS_STYLE, ExpertsParallel, expert_split_dim
 from ._layout import StyleSpec, output_head_module, sequence_layout
 from ._styles import REPLICA_SUM_STYLES, STYLE_NAMES, UNSUPPORTED_STYLES, describe_style
 
@@ -90,16 +91,26 @@ def tensor_parallel(
     reductions: dict[str, Reduction] = dict(current.reductions)
     problems: list[str] = []
     sum_modules: list[str] = []
+    warnings: list[str] = []
     for pattern, spec in declared.items():
         if not isinstance(pattern, str):
             raise TypeError(f"tensor_parallel: plan keys must be module globs (str), got {pattern!r}")
         if not isinstance(spec, (str, ParallelStyle)):
             raise TypeError(
                 f"tensor_parallel: style for {pattern!r} must be a torch ParallelStyle or one of "
-                f"{', '.join(STYLE_NAMES)}, got {type(spec).__name__}"
+                f"{', '.join((*STYLE_NAMES, EXPERTS_STYLE))}, got {type(spec).__name__}"
             )
+    experts, consumed = _expert_styles(index, declared, explicit, problems, skipped, warnings)
+    for pattern, spec in declared.items():
+        if pattern in consumed:
+            continue
         if isinstance(spec, str) and spec in UNSUPPORTED_STYLES and not explicit:
             skipped.append((pattern, spec, "no torch equivalent: left whole on every TP rank"))
+            if index.match(pattern):
+                warnings.append(
+                    f"tensor_parallel: the declared TP plan gives {pattern!r} the style {spec!r}, which fsdptx "
+                    "cannot apply: its weights stay whole on every TP rank (give it a torch style in tp_plan=)"
+                )
             continue
         if isinstance(spec, str) and spec not in STYLE_NAMES:
             problems.append(f"{pattern!r}: unknown style {spec!r}; use one of {', '.join(STYLE_NAMES)} or a torch ParallelStyle")
@@ -125,6 +136,10 @@ def tensor_parallel(
                 problems.append(f"module {fqn!r} is matched by both {resolved[fqn][0]!r} and {pattern!r}")
                 continue
             resolved[fqn] = (pattern, spec)
+    for fqn, (pattern, style) in experts.items():
+        if fqn in resolved:
+            problems.append(f"module {fqn!r} is matched by both {resolved[fqn][0]!r} and {pattern!r}")
+        resolved[fqn] = (pattern, style)
     if problems:
         raise PlanningError("tensor_parallel: the TP plan does not fit the model:\n  - " + "\n  - ".join(problems))
     layout = sequence_layout(
@@ -150,7 +165,92 @@ def tensor_parallel(
         loss_parallel=loss_parallel,
         stream=tuple(layout.steps),
     )
-    return current.replace(tensor_parallel=tp, reductions=reductions)
+    new_warnings = tuple(w for w in dict.fromkeys(warnings) if w not in current.warnings)
+    return current.replace(tensor_parallel=tp, reductions=reductions, warnings=current.warnings + new_warnings)
+
+
+def _expert_styles(
+    index: ModelIndex,
+    declared: Mapping[str, StyleSpec],
+    explicit: bool,
+    problems: list[str],
+    skipped: list[tuple[str, str, str]],
+    warnings: list[str],
+) -> tuple[dict[str, tuple[str, ExpertsParallel]], set[str]]:
+    """The :class:`ExpertsParallel` style of every module a ``moe_tp_experts``
+    entry names, built from the entries naming its parameters
+    (``<experts glob>.gate_up_proj: packed_colwise``, ``...down_proj:
+    rowwise``), and the patterns these entries consumed.
+
+    Every parameter of the module must be split, and split the way an
+    ``(experts, out, in)`` weight can be: a parameter left whole beside
+    split ones (an expert bias the plan forgets) would be added to partial
+    outputs on every rank and summed ``tp`` times. A module that does not
+    fit is an error under an explicit plan; under a declared one it is left
+    whole on every TP rank, which is correct, and the Plan's first lines say so.
+    """
+    out: dict[str, tuple[str, ExpertsParallel]] = {}
+    consumed: set[str] = set()
+    for pattern, spec in declared.items():
+        if spec != EXPERTS_STYLE:
+            continue
+        consumed.add(pattern)
+        entries = {
+            k[len(pattern) + 1 :]: v
+            for k, v in declared.items()
+            if k.startswith(pattern + ".") and "." not in k[len(pattern) + 1 :] and isinstance(v, str)
+        }
+        consumed.update(f"{pattern}.{name}" for name in entries)
+        matched = index.match(pattern)
+        if not matched:
+            if explicit:
+                problems.append(f"{pattern!r} matches no module")
+            else:
+                skipped.append((pattern, EXPERTS_STYLE, "matches no module"))
+            continue
+        for fqn in matched:
+            found = _expert_problems(fqn, index.modules[fqn], entries)
+            if not found:
+                out[fqn] = (pattern, ExpertsParallel(entries))
+            elif explicit:
+                problems.extend(found)
+            else:
+                skipped.append((pattern, EXPERTS_STYLE, "cannot be split: left whole on every TP rank"))
+                warnings.append(
+                    f"tensor_parallel: the declared TP plan's experts {pattern!r} stay whole on every TP rank: "
+                    + "; ".join(found)
+                )
+                break
+    return out, consumed
+
+
+def _expert_problems(fqn: str, module: nn.Module, entries: Mapping[str, str]) -> list[str]:
+    """Why ``moe_tp_experts`` with parameter styles ``entries`` cannot split
+    ``module`` (empty when it can)."""
+    problems: list[str] = []
+    own = {n: p for n, p in module._parameters.items() if p is not None}
+    for name, style in entries.items():
+        p = own.get(name)
+        if p is None:
+            problems.append(f"{fqn!r} has no parameter {name!r} for the plan's {style!r} entry")
+        elif style not in EXPERT_PARAM_STYLES or p.dim() != 3:
+            problems.append(
+                f"{fqn}.{name} ({p.dim()}-D) gets {style!r}; an expert weight is 3-D (experts, out, in) and "
+                f"takes one of {', '.join(sorted(EXPERT_PARAM_STYLES))}"
+            )
+    whole = sorted(set(own) - set(entries))
+    if whole:
+        problems.append(
+            f"{fqn!r} ({EXPERTS_STYLE}) holds {', '.join(repr(n) for n in whole)}, which the plan does not split; "
+            f"each rank would add it to its partial output; give each a style ({', '.join(sorted(EXPERT_PARAM_STYLES))})"
+        )
+    if not entries:
+        problems.append(f"{fqn!r} ({EXPERTS_STYLE}): the plan names none of its parameters ('{fqn}.gate_up_proj: packed_colwise', ...)")
+    inner = [n for n, c in module.named_modules() if n and any(True for _ in c.parameters(recurse=False))]
+    if inner:
+        problems.append(f"{fqn!r} ({EXPERTS_STYLE}) has submodules holding parameters ({', '.join(inner)}); "
+                        "the style splits the module's own 3-D parameters only")
+    return problems
 
 
 def _mark_sum(index: ModelIndex, fqn: str, out: dict[str, Reduction], pattern: str, problems: list[str]) -> None:
@@ -180,6 +280,15 @@ def check_tensor_parallel(tp: TensorParallel, model: nn.Module, tp_size: int) ->
             problems.append(f"TP module {a.module!r} does not exist in {type(model).__name__}")
             continue
         style = a.parallel_style
+        if isinstance(style, ExpertsParallel):
+            for name, param_style in style.params.items():
+                p = module._parameters.get(name)
+                size, what = expert_split_dim(param_style, tuple(p.shape)) if p is not None else (0, "")
+                if p is None or p.dim() != 3:
+                    problems.append(f"{a.module!r} no longer holds the 3-D parameter {name!r} its {a.style} splits")
+                elif size % tp_size:
+                    problems.append(f"{a.module}.{name}: {what}={size} is not divisible by tp={tp_size} ({param_style})")
+            continue
         if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
             continue
         if not isinstance(module, (nn.Linear, nn.Embedding)):
