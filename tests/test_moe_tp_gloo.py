@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 pytest.importorskip("transformers")
 
@@ -86,6 +86,8 @@ def _train(mesh: Any, name: str, sp: bool) -> dict[str, Any]:
     split = sorted(
         n for n, p in model.named_parameters() if ".experts." in n and isinstance(p, DTensor) and p.to_local().numel() * DP * TP == p.numel()
     )
+    gate_up = model.get_submodule(f"model.layers.{hf_zoo.LAYERS - 1}.mlp.experts").gate_up_proj
+    tp_local = gate_up.redistribute(placements=[Replicate(), gate_up.placements[1]]).to_local().detach().clone()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     dp_rank = mesh.get_coordinate()[0]
     losses = []
@@ -98,7 +100,7 @@ def _train(mesh: Any, name: str, sp: bool) -> dict[str, Any]:
         total = loss.detach().clone()
         dist.all_reduce(total, group=mesh.get_group("dp"))
         losses.append(total.item() / DP)
-    return {"losses": losses, "params": full_params(model), "split": split}
+    return {"losses": losses, "params": full_params(model), "split": split, "gate_up": tp_local}
 
 
 def _worker(rank: int, world_size: int) -> dict[tuple[str, bool], Any]:
@@ -110,6 +112,19 @@ def _worker(rank: int, world_size: int) -> dict[tuple[str, bool], Any]:
 @pytest.fixture(scope="module")
 def runs() -> list[dict[tuple[str, bool], Any]]:
     return run_distributed(_worker, WORLD, timeout_s=900, collective_timeout_s=60)
+
+
+def test_each_tp_rank_keeps_its_rows_of_both_the_gate_and_the_up_half(runs: list[dict[tuple[str, bool], Any]]) -> None:
+    """A plain Shard(1) of the packed gate|up weight would hand TP rank 0
+    the whole gate and rank 1 the whole up projection, and the kernel's
+    chunk(2) would pair gate rows with gate rows."""
+    full = build("qwen3_moe").get_submodule(f"model.layers.{hf_zoo.LAYERS - 1}.mlp.experts").gate_up_proj.detach()
+    half = full.shape[1] // 2
+    for rank, result in enumerate(runs):
+        tp_rank = rank % TP
+        rows = slice(tp_rank * half // TP, (tp_rank + 1) * half // TP)
+        expected = torch.cat([full[:, :half][:, rows], full[:, half:][:, rows]], dim=1)
+        torch.testing.assert_close(result[("qwen3_moe", False)]["gate_up"], expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("name", "sp"), SCENARIOS, ids=[f"{n}-{'sp' if s else 'tp'}" for n, s in SCENARIOS])

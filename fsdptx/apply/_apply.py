@@ -29,6 +29,7 @@ from ..plan._json import described_style_problems
 from ..plan._resolve import claim
 from ..plan._types import Checkpointing, Plan, Unit, marks_under_exclusions, preview
 from ..plan._vouch import MarkTargets, reductions_by_module, settings_problems, vouched_modules
+from ._inputs import cast_inputs_to_fp32, wholly_fp32_modules
 from ._unused import configure_fsdp_unused_param_reduction
 from ..core._policy import primitive_policy
 from ..core._tree import get_module_from_path
@@ -501,11 +502,17 @@ def apply_resolved(
         extra = {"context_fn": _selective_context} if plan.checkpointing.mode == "selective" else {}
         for fqn in plan.checkpointing.modules:
             checkpoint_module(get_module_from_path(model, fqn), **extra)
+    compute_of = {name: unit.compute_dtype for unit in plan.units for name in unit.params}
+    fp32_modules = wholly_fp32_modules(
+        ((unit.modules, mods, unit.compute_dtype) for unit, mods in zip(plan.units, resolved)), compute_of
+    )
     for unit, mods in zip(plan.units, resolved):
         kwargs = shard_kwargs(unit, moe if unit.mesh == "moe" else dense)
         if unit.ignored_params:
             kwargs["ignored_params"] = {_live_param(model, f) for f in unit.ignored_params}
         shard_module(mods[0] if len(mods) == 1 else mods, **kwargs)
+    for module in fp32_modules:
+        cast_inputs_to_fp32(module)
     for chain in plan.prefetch:
         unit_module = get_module_from_path(model, chain.unit)
         if isinstance(unit_module, FSDPModule):

@@ -103,7 +103,8 @@ def _sum_grad(t: Any, group: dist.ProcessGroup) -> Any:
     if isinstance(t, DTensor):
         t = t.full_tensor()
     if isinstance(t, torch.Tensor) and t.is_floating_point():
-        return _SumBackward.apply(t, group)
+        summed: torch.Tensor = _SumBackward.apply(t, group)  # type: ignore[no-untyped-call]
+        return summed
     return t
 
 
@@ -150,13 +151,14 @@ class ExpertsParallel(ParallelStyle):
             with _local_params(module, names):
                 out = forward(*args, **kwargs)
             if isinstance(out, torch.Tensor):
-                return _SumForward.apply(out, group)
+                summed: torch.Tensor = _SumForward.apply(out, group)  # type: ignore[no-untyped-call]
+                return summed
             raise TypeError(
                 f"{type(module).__name__} returned {type(out).__name__}; moe_tp_experts expects the experts "
                 "to return one tensor (the tokens' combined expert output)"
             )
 
-        module.forward = sharded_forward  # type: ignore[method-assign]
+        module.forward = sharded_forward
         return module
 
     def __repr__(self) -> str:
