@@ -166,3 +166,54 @@ def test_expert_weights_whose_half_tp_does_not_divide_are_refused_before_any_cha
         with pytest.raises(ValueError, match=r"experts\.gate_up_proj: half of dim 1 \(packed gate\|up\)=32 is not divisible by tp=3"):
             fsdptx.apply_plan(p, model, mesh)
         assert_unchanged(before, state_of(model))
+
+
+class _BareExperts(nn.Module):
+    """Grouped experts without a router beside them: a block child of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(2, 16, 8))
+        self.down_proj = nn.Parameter(torch.randn(2, 8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.einsum("bsd,eod->bseo", x, self.gate_up_proj).chunk(2, dim=-1)
+        return x + torch.einsum("bsei,edi->bsd", torch.relu(gate) * up, self.down_proj)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.experts = _BareExperts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(self.norm(x))
+
+
+class _BareExpertsModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(_Block() for _ in range(2))
+        self.lm_head = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(x)
+
+
+def test_experts_split_over_tp_on_the_sequence_shard_are_refused_at_planning() -> None:
+    plan = {
+        "layers.*.experts": "moe_tp_experts",
+        "layers.*.experts.gate_up_proj": "packed_colwise",
+        "layers.*.experts.down_proj": "rowwise",
+    }
+    model = _BareExpertsModel()
+    tp = fsdptx.plan(model, functools.partial(fsdptx.tensor_parallel, plan=plan)).tensor_parallel
+    assert tp is not None and [a.module for a in tp.assignments] == ["layers.0.experts", "layers.1.experts"]
+    sp = functools.partial(fsdptx.tensor_parallel, plan=plan, sequence_parallel=True, blocks=["layers.*"])
+    with pytest.raises(PlanningError, match=r"'layers\.0\.experts' \(moe_tp_experts\) sits on the residual stream"):
+        fsdptx.plan(model, sp)

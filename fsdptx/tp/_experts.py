@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
@@ -65,15 +66,21 @@ def expert_split_dim(style: str, shape: tuple[int, ...]) -> tuple[int, str]:
     return (shape[1], "dim 1 (out)") if style == "colwise" else (shape[2], "dim 2 (in)")
 
 
+def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of ``t`` over ``group``, out of place. A functional
+    collective, as DTensor's own, so tools that tell TP traffic from FSDP's
+    (the memory plan's trace) count it as TP."""
+    out = funcol.all_reduce(t.contiguous(), "sum", group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
 class _SumForward(torch.autograd.Function):
     """All-reduce (sum) in forward; the gradient passes through: each rank's
     output is a partial sum, the sum's gradient is the same on every rank."""
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        out = t.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return _all_reduce(t, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -92,9 +99,7 @@ class _SumBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        out = grad.contiguous().clone()
-        dist.all_reduce(out, group=ctx.group)
-        return out, None
+        return _all_reduce(grad, ctx.group), None
 
 
 def _sum_grad(t: Any, group: dist.ProcessGroup) -> Any:
