@@ -89,7 +89,7 @@ def deepseek_v3(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn
 def jamba(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Jamba, a hybrid: layer 0 a Mamba mixer with a dense MLP, layer 1
     attention with an MoE of 4 experts; its TP plan names only the experts
-    (no torch style), so no block is tensor-parallel. Not in :data:`ZOO`."""
+    (``moe_tp_experts``), so no other module is tensor-parallel. Not in :data:`ZOO`."""
     overrides = {
         **_DENSE,
         "attn_layer_period": 2,

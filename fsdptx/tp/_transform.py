@@ -135,6 +135,8 @@ def tensor_parallel(
             if fqn in resolved:
                 problems.append(f"module {fqn!r} is matched by both {resolved[fqn][0]!r} and {pattern!r}")
                 continue
+            if isinstance(spec, ExpertsParallel):
+                problems.extend(_expert_problems(fqn, index.modules[fqn], spec.params))
             resolved[fqn] = (pattern, spec)
     for fqn, (pattern, style) in experts.items():
         if fqn in resolved:
@@ -242,14 +244,20 @@ def _expert_problems(fqn: str, module: nn.Module, entries: Mapping[str, str]) ->
     if whole:
         problems.append(
             f"{fqn!r} ({EXPERTS_STYLE}) holds {', '.join(repr(n) for n in whole)}, which the plan does not split; "
-            f"each rank would add it to its partial output; give each a style ({', '.join(sorted(EXPERT_PARAM_STYLES))})"
+            "each rank would add it to its partial output; give each a style "
+            f"({', '.join(sorted(EXPERT_PARAM_STYLES))})"
         )
     if not entries:
-        problems.append(f"{fqn!r} ({EXPERTS_STYLE}): the plan names none of its parameters ('{fqn}.gate_up_proj: packed_colwise', ...)")
+        problems.append(
+            f"{fqn!r} ({EXPERTS_STYLE}): the plan names none of its parameters "
+            f"(give '{fqn}.gate_up_proj: packed_colwise' and the like)"
+        )
     inner = [n for n, c in module.named_modules() if n and any(True for _ in c.parameters(recurse=False))]
     if inner:
-        problems.append(f"{fqn!r} ({EXPERTS_STYLE}) has submodules holding parameters ({', '.join(inner)}); "
-                        "the style splits the module's own 3-D parameters only")
+        problems.append(
+            f"{fqn!r} ({EXPERTS_STYLE}) has submodules holding parameters ({', '.join(inner)}); "
+            "the style splits the module's own 3-D parameters only"
+        )
     return problems
 
 
@@ -283,10 +291,11 @@ def check_tensor_parallel(tp: TensorParallel, model: nn.Module, tp_size: int) ->
         if isinstance(style, ExpertsParallel):
             for name, param_style in style.params.items():
                 p = module._parameters.get(name)
-                size, what = expert_split_dim(param_style, tuple(p.shape)) if p is not None else (0, "")
                 if p is None or p.dim() != 3:
                     problems.append(f"{a.module!r} no longer holds the 3-D parameter {name!r} its {a.style} splits")
-                elif size % tp_size:
+                    continue
+                size, what = expert_split_dim(param_style, tuple(p.shape))
+                if size % tp_size:
                     problems.append(f"{a.module}.{name}: {what}={size} is not divisible by tp={tp_size} ({param_style})")
             continue
         if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
