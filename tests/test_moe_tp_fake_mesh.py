@@ -217,3 +217,20 @@ def test_experts_split_over_tp_on_the_sequence_shard_are_refused_at_planning() -
     sp = functools.partial(fsdptx.tensor_parallel, plan=plan, sequence_parallel=True, blocks=["layers.*"])
     with pytest.raises(PlanningError, match=r"'layers\.0\.experts' \(moe_tp_experts\) sits on the residual stream"):
         fsdptx.plan(model, sp)
+
+
+def test_experts_that_shard_over_a_moe_mesh_stay_whole_on_every_tp_rank() -> None:
+    """FSDP cannot lay an expert unit over the MoE mesh on top of a TP
+    DTensor of the dense mesh; such experts keep the layout they had."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        moe = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("ep", "ep_shard"))
+        manager = FSDP2Manager(FSDP2Config(mp_policy=None), mesh, moe_mesh=moe)
+        model = hf_zoo.qwen3_moe("cpu", torch.float32)
+        tp = manager.plan(model).tensor_parallel
+        assert tp is not None
+        assert (_EXPERTS, "moe_tp_experts", "shards over the moe_mesh: left whole on every TP rank") in tp.skipped
+        manager.parallelize(model)
+        for name, p in _expert_weights(model).items():
+            assert isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep_shard",), name

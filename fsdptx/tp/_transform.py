@@ -9,7 +9,7 @@ and by the manager's dry run before anything is mutated.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -19,7 +19,7 @@ from ..core._globs import segment_match
 from ..model._index import ModelIndex, PlanningError
 from ..plan._kinds import unit_blind
 from ..plan._transforms import block_fqns, model_index
-from ..plan._types import Plan, Reduction, TensorParallel, TPAssignment
+from ..plan._types import Plan, Reduction, TensorParallel, TPAssignment, preview
 from ._experts import EXPERT_PARAM_STYLES, EXPERTS_STYLE, ExpertsParallel, expert_split_dim
 from ._layout import StyleSpec, output_head_module, sequence_layout
 from ._styles import REPLICA_SUM_STYLES, STYLE_NAMES, UNSUPPORTED_STYLES, describe_style
@@ -51,6 +51,7 @@ def tensor_parallel(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     blocks: Sequence[str] | None = None,
+    moe_mesh_experts: Sequence[str] = (),
 ) -> Plan:
     """Record which module gets which tensor-parallel style.
 
@@ -78,6 +79,13 @@ def tensor_parallel(
     vocabulary-sharded (compute the loss under :func:`fsdptx.loss_parallel`).
     ``blocks`` as in :func:`fsdptx.shard_by_dtype`.
 
+    ``moe_mesh_experts`` (globs) are expert modules whose FSDP units shard
+    over a separate MoE mesh (the manager passes them when it has a
+    ``moe_mesh``): FSDP cannot lay such a unit over a TP DTensor of another
+    mesh, so their ``moe_tp_experts`` entries keep them whole on every TP
+    rank (skipped and said in the Plan under a declared plan, an error in
+    an explicit one).
+
     Example::
 
         sp = functools.partial(fsdptx.tensor_parallel, sequence_parallel=True)
@@ -100,7 +108,8 @@ def tensor_parallel(
                 f"tensor_parallel: style for {pattern!r} must be a torch ParallelStyle or one of "
                 f"{', '.join((*STYLE_NAMES, EXPERTS_STYLE))}, got {type(spec).__name__}"
             )
-    experts, consumed = _expert_styles(index, declared, explicit, problems, skipped, warnings)
+    on_moe_mesh = {f for g in moe_mesh_experts for f in index.match(g)}
+    experts, consumed = _expert_styles(index, declared, explicit, on_moe_mesh, problems, skipped, warnings)
     for pattern, spec in declared.items():
         if pattern in consumed:
             continue
@@ -175,6 +184,7 @@ def _expert_styles(
     index: ModelIndex,
     declared: Mapping[str, StyleSpec],
     explicit: bool,
+    on_moe_mesh: Collection[str],
     problems: list[str],
     skipped: list[tuple[str, str, str]],
     warnings: list[str],
@@ -210,6 +220,16 @@ def _expert_styles(
             else:
                 skipped.append((pattern, EXPERTS_STYLE, "matches no module"))
             continue
+        kept = [f for f in matched if f in on_moe_mesh]
+        if kept and explicit:
+            problems.append(
+                f"{pattern!r} splits {preview(kept)} over TP, but they shard over the moe_mesh; "
+                "leave them out of the TP plan, or give no moe_mesh"
+            )
+            continue
+        if kept:
+            skipped.append((pattern, EXPERTS_STYLE, "shards over the moe_mesh: left whole on every TP rank"))
+            matched = [f for f in matched if f not in on_moe_mesh]
         for fqn in matched:
             found = _expert_problems(fqn, index.modules[fqn], entries)
             if not found:
