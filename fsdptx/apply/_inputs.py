@@ -32,7 +32,11 @@ def wholly_fp32_modules(
 ) -> list[nn.Module]:
     """The modules of fp32 units (``(module FQNs, modules, compute dtype)``)
     whose every parameter, children's included, computes in fp32 by
-    ``compute_of`` (parameter FQN -> its unit's compute dtype)."""
+    ``compute_of`` (parameter FQN -> its unit's compute dtype). None where
+    every unit computes in fp32: activations are fp32 throughout."""
+    units = list(units)
+    if all(compute == torch.float32 for _fqns, _modules, compute in units):
+        return []
     found: list[nn.Module] = []
     for fqns, modules, compute in units:
         if compute != torch.float32:

@@ -144,7 +144,8 @@ class ExpertsParallel(ParallelStyle):
         for name, style in self.params.items():
             p = module._parameters[name]
             assert p is not None  # the planner names only present parameters
-            dt = distribute_tensor(p.data, device_mesh, [expert_placement(style)])
+            # src_data_rank as torch's styles: rank 0's weights, whatever each rank initialized.
+            dt = distribute_tensor(p.data, device_mesh, [expert_placement(style)], src_data_rank=self.src_data_rank)
             module._parameters[name] = nn.Parameter(dt, requires_grad=p.requires_grad)
         group = device_mesh.get_group()
         names = tuple(self.params)
