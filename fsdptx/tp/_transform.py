@@ -60,11 +60,14 @@ def tensor_parallel(
     matches a wrapped block's projection) to a torch ``ParallelStyle`` or a
     Hugging Face style name (``colwise``, ``rowwise``, ``colwise_rep``,
     ``rowwise_rep``, ``embedding_rowwise``, ``sequence_parallel``,
-    ``replicated_with_grad_allreduce``); by default the model's declared
-    plan (``_tp_plan``, or Hugging Face's ``base_model_tp_plan`` with the
-    head's). Every glob of an explicit plan must match a module; a declared
-    plan's entries that match no module or name a style torch has no
-    equivalent for are skipped, and the Plan shows them. A module may be
+    ``replicated_with_grad_allreduce``, and ``moe_tp_experts`` on a
+    grouped-experts module with ``packed_colwise``/``colwise``/``rowwise``
+    on its 3-D parameters, see :mod:`fsdptx.tp._experts`); by default the
+    model's declared plan (``_tp_plan``, or Hugging Face's
+    ``base_model_tp_plan`` with the head's). Every glob of an explicit plan
+    must match a module; a declared plan's entries that match no module or
+    name a style fsdptx does not apply are skipped, and the Plan shows them
+    (with a warning on its first lines where modules keep whole weights). A module may be
     matched by one glob only. An empty plan is valid: every parameter is
     then a replica on each TP rank, kept equal by
     :func:`fsdptx.synchronize_tp_replica_gradients`.
