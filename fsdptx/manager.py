@@ -370,6 +370,7 @@ class FSDP2Manager:
                     sequence_parallel=cfg.sequence_parallel,
                     loss_parallel=cfg.loss_parallel,
                     blocks=blocks,
+                    moe_mesh_experts=self._expert_modules(model),
                 )
             )
         if cfg.checkpoint_mode is not None:

@@ -32,6 +32,7 @@ from ..plan._resolve import claim
 from ..plan._types import Checkpointing, Plan, Unit, marks_under_exclusions, preview
 from ..plan._vouch import MarkTargets, reductions_by_module, settings_problems, vouched_modules
 from ._experts import HandEpMesh, divide_expert_gradients, expert_parallel_problems, hand_ep_mesh, split_experts
+from ._inputs import cast_inputs_to_fp32, wholly_fp32_modules
 from ._unused import configure_units_of
 from ..core._policy import primitive_policy
 from ..core._tree import get_module_from_path
@@ -636,6 +637,10 @@ def apply_resolved(
             checkpoint_module(find(fqn), **extra)
     if plan.expert_parallel is not None and moe_mesh is not None:
         split_experts(model, plan.expert_parallel, moe_mesh, hand_ep_mesh)
+    compute_of = {name: unit.compute_dtype for unit in plan.units for name in unit.params}
+    fp32_modules = wholly_fp32_modules(
+        ((unit.modules, mods, unit.compute_dtype) for unit, mods in zip(plan.units, resolved)), compute_of
+    )
     for unit, mods in zip(plan.units, resolved):
         kwargs = shard_kwargs(unit, moe if unit.mesh == "moe" else dense)
         if unit.ignored_params:
@@ -643,6 +648,8 @@ def apply_resolved(
         shard_module(mods[0] if len(mods) == 1 else mods, **kwargs)
         if unit.mesh == "moe" and moe_mesh is not None and ep_size(moe_mesh) > 1:
             divide_expert_gradients(mods, moe_mesh, moe)
+    for module in fp32_modules:
+        cast_inputs_to_fp32(module)
     for chain in plan.prefetch:
         unit_module = find(chain.unit)
         if isinstance(unit_module, FSDPModule):

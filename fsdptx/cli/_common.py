@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..core._meshes import KNOWN_DIMS, ParallelDims
 from ..core._names import collapse_keyed, join_names
@@ -60,11 +61,14 @@ def mp_policy(name: str) -> MixedPrecisionPolicy | None:
 
 
 def _tp_dim(p: torch.Tensor) -> int | None:
-    """The tensor dim TP split, read off the DTensor's placement on ``tp``."""
+    """The tensor dim TP split, read off the DTensor's placement on ``tp``.
+
+    A packed expert weight split per half (``_StridedShard``) counts as
+    split along its dim: each rank holds ``1/tp`` of it all the same."""
     if not isinstance(p, DTensor):
         return None
     for name, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):
-        if name == "tp" and isinstance(placement, Shard):
+        if name == "tp" and isinstance(placement, (Shard, _StridedShard)):
             return placement.dim
     return None
 

@@ -1,14 +1,17 @@
 """Tensor parallelism: the ``tensor_parallel`` transform and the style names
-it understands (``_styles``, ``_transform``), the TP-replica marks
+it understands (``_styles``, ``_transform``; ``_experts`` for MoE experts
+split inside every expert), the TP-replica marks
 (``_marks``) and the replica broadcast and gradient synchronization
 (``_replicas``)."""
 
+from ._experts import ExpertsParallel
 from ._styles import STYLE_NAMES, GatherSequence, ShardSequence, WholeSequence, describe_style
 from ._loss import loss_parallel
 from ._transform import check_tensor_parallel, declared_tp_plan, tensor_parallel, tp_styles_by_module
 
 __all__ = [
     "STYLE_NAMES",
+    "ExpertsParallel",
     "GatherSequence",
     "ShardSequence",
     "WholeSequence",

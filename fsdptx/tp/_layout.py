@@ -50,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..plan._types import StreamStep, TPAssignment, preview
 from ..model._index import ModelIndex, unwrap_checkpoint
+from ._experts import ExpertsParallel
 from ._styles import (
     COLWISE_NAMES,
     ROWWISE_NAMES,
@@ -340,6 +341,8 @@ def _on_stream(p: _Pass, fqn: str, cur: _Lay) -> _Lay:
     style, name = p.explicit(fqn), p.name(fqn)
     if style is not None:
         p.check_takes(fqn, style, cur)
+        if isinstance(style, ExpertsParallel):
+            _experts_on_shard(p, fqn, "the residual stream")
         lay = style_layouts(style)
         gives = _Lay(_seq_of(lay.gives), lay.gives_dtensor, fqn) if lay.gives is not None else cur
         inner = _declared_inside(p, fqn)
@@ -439,6 +442,8 @@ def _region_inside(p: _Pass, region: str, inner: list[str], *, gathered: bool, w
     exit_seq: Seq = "whole" if whole or not p.sp else "shard"
     for f in inner:
         name, style = p.name(f), p.explicit(f)
+        if isinstance(style, ExpertsParallel) and p.sp and not gathered:
+            _experts_on_shard(p, f, f"region {region!r}, which the plan's own styles run on the shard")
         if name is not None:
             if name in COLWISE_NAMES:
                 p.want[f] = ("whole" if gathered or not p.sp else "shard", "whole")
@@ -460,6 +465,17 @@ def _region_inside(p: _Pass, region: str, inner: list[str], *, gathered: bool, w
                 f"{f!r} ({describe_style(style)}) reads its input as the Shard(1) shard, but its region "
                 f"{region!r} is handed the whole sequence; give it input_layouts=Replicate()"
             )
+
+
+def _experts_on_shard(p: _Pass, fqn: str, where: str) -> None:
+    """Experts split over TP sum the ranks' partial outputs token by token:
+    every TP rank must run them on the same tokens. On the sequence shard
+    each rank holds other tokens, and the sum would mix them."""
+    p.problem(
+        f"{fqn!r} (moe_tp_experts) sits on {where}, so each TP rank would run its slice of the experts on "
+        "other tokens and the all-reduce would add unrelated outputs; put the experts inside a module the "
+        "plan runs on the whole sequence (their MoE block, beside its router), or drop them from the plan"
+    )
 
 
 def _plain_module(p: _Pass, fqn: str, cur: _Lay) -> _Lay:

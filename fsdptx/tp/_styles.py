@@ -67,6 +67,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from ._experts import ExpertsParallel
+
 __all__ = [
     "GatherSequence",
     "REPLICA_SUM_STYLES",
@@ -149,16 +151,17 @@ COLWISE_NAMES = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "e
 ROWWISE_NAMES = frozenset({"rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise"})
 # Style names that are TP-replica reductions, not torch styles.
 REPLICA_SUM_STYLES = frozenset({"replicated_with_grad_allreduce"})
-# Hugging Face style names with no torch equivalent (fused or packed weights,
-# expert kernels working on local shards, expert-parallel dispatch) or that
-# do nothing ("replicate"). A declared plan leaves those modules whole on
-# every TP rank, where they compute redundantly and their gradients are
-# TP-replica means; an explicit plan naming one is an error.
+# Hugging Face style names fsdptx does not apply (a fused Linear split per
+# half, rope slices, expert-parallel dispatch) or that do nothing
+# ("replicate"). A declared plan leaves those modules whole on every TP rank,
+# where they compute redundantly and their gradients are TP-replica means;
+# an explicit plan naming one is an error. ``moe_tp_experts`` with its
+# parameters' ``packed_colwise``/``rowwise`` is fsdptx's own
+# :class:`~fsdptx.tp._experts.ExpertsParallel`.
 UNSUPPORTED_STYLES = frozenset(
     {
         "packed_colwise",
         "packed_rowwise",
-        "moe_tp_experts",
         "mla_kv_a_proj",
         "moe_identity_expert",
         "local_params",
@@ -353,6 +356,8 @@ class WholeSequence(_Boundary):
 
 def describe_style(style: ParallelStyle) -> str:
     """A short readable description of a torch style, for the Plan."""
+    if isinstance(style, ExpertsParallel):
+        return repr(style)
     layouts = style_layouts(style)
     parts: list[str] = []
     if layouts.takes is not None:

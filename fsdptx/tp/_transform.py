@@ -9,7 +9,7 @@ and by the manager's dry run before anything is mutated.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -20,7 +20,8 @@ from ..core._names import Names
 from ..model._index import ModelIndex, PlanningError
 from ..plan._kinds import unit_blind
 from ..plan._transforms import block_fqns, model_index
-from ..plan._types import Plan, Reduction, TensorParallel, TPAssignment
+from ..plan._types import Plan, Reduction, TensorParallel, TPAssignment, preview
+from ._experts import EXPERT_PARAM_STYLES, EXPERTS_STYLE, ExpertsParallel, expert_split_dim
 from ._layout import StyleSpec, output_head_module, sequence_layout
 from ._styles import REPLICA_SUM_STYLES, STYLE_NAMES, UNSUPPORTED_STYLES, describe_style
 
@@ -51,6 +52,7 @@ def tensor_parallel(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     blocks: Names | None = None,
+    moe_mesh_experts: Sequence[str] = (),
 ) -> Plan:
     """Record which module gets which tensor-parallel style.
 
@@ -59,11 +61,14 @@ def tensor_parallel(
     matches a wrapped block's projection) to a torch ``ParallelStyle`` or a
     Hugging Face style name (``colwise``, ``rowwise``, ``colwise_rep``,
     ``rowwise_rep``, ``embedding_rowwise``, ``sequence_parallel``,
-    ``replicated_with_grad_allreduce``); by default the model's declared
-    plan (``_tp_plan``, or Hugging Face's ``base_model_tp_plan`` with the
-    head's). Every glob of an explicit plan must match a module; a declared
-    plan's entries that match no module or name a style torch has no
-    equivalent for are skipped, and the Plan shows them. A module may be
+    ``replicated_with_grad_allreduce``, and ``moe_tp_experts`` on a
+    grouped-experts module with ``packed_colwise``/``colwise``/``rowwise``
+    on its 3-D parameters, see :mod:`fsdptx.tp._experts`); by default the
+    model's declared plan (``_tp_plan``, or Hugging Face's
+    ``base_model_tp_plan`` with the head's). Every glob of an explicit plan
+    must match a module; a declared plan's entries that match no module or
+    name a style fsdptx does not apply are skipped, and the Plan shows them
+    (with a warning on its first lines where modules keep whole weights). A module may be
     matched by one glob only. An empty plan is valid: every parameter is
     then a replica on each TP rank, kept equal by
     :func:`fsdptx.synchronize_tp_replica_gradients`.
@@ -78,6 +83,13 @@ def tensor_parallel(
     vocabulary-sharded (compute the loss under :func:`fsdptx.loss_parallel`).
     ``blocks`` as in :func:`fsdptx.shard_by_dtype`.
 
+    ``moe_mesh_experts`` (globs) are expert modules whose FSDP units shard
+    over a separate MoE mesh (the manager passes them when it has a
+    ``moe_mesh``): FSDP cannot lay such a unit over a TP DTensor of another
+    mesh, so their ``moe_tp_experts`` entries keep them whole on every TP
+    rank (skipped and said in the Plan under a declared plan, an error in
+    an explicit one).
+
     Args:
         model: the model, only read.
         current: the Plan so far (positional only: the transform protocol).
@@ -87,6 +99,8 @@ def tensor_parallel(
         loss_parallel: keep the head's logits vocabulary-sharded.
         blocks: class names, FQNs or globs of the blocks; discovered when
             ``None``.
+        moe_mesh_experts: globs of expert modules sharded over a MoE mesh,
+            kept whole on every TP rank.
 
     Returns:
         A new Plan recording one style per module and the stream's layout.
@@ -109,16 +123,27 @@ def tensor_parallel(
     reductions: dict[str, Reduction] = dict(current.reductions)
     problems: list[str] = []
     sum_modules: list[str] = []
+    warnings: list[str] = []
     for pattern, spec in declared.items():
         if not isinstance(pattern, str):
             raise TypeError(f"tensor_parallel: plan keys must be module globs (str), got {pattern!r}")
         if not isinstance(spec, (str, ParallelStyle)):
             raise TypeError(
                 f"tensor_parallel: style for {pattern!r} must be a torch ParallelStyle or one of "
-                f"{', '.join(STYLE_NAMES)}, got {type(spec).__name__}"
+                f"{', '.join((*STYLE_NAMES, EXPERTS_STYLE))}, got {type(spec).__name__}"
             )
+    on_moe_mesh = {f for g in moe_mesh_experts for f in index.match(g)}
+    experts, consumed = _expert_styles(index, declared, explicit, on_moe_mesh, problems, skipped, warnings)
+    for pattern, spec in declared.items():
+        if pattern in consumed:
+            continue
         if isinstance(spec, str) and spec in UNSUPPORTED_STYLES and not explicit:
             skipped.append((pattern, spec, "no torch equivalent: left whole on every TP rank"))
+            if index.match(pattern):
+                warnings.append(
+                    f"tensor_parallel: the declared TP plan gives {pattern!r} the style {spec!r}, which fsdptx "
+                    "cannot apply: its weights stay whole on every TP rank (give it a torch style in tp_plan=)"
+                )
             continue
         if isinstance(spec, str) and spec not in STYLE_NAMES:
             problems.append(f"{pattern!r}: unknown style {spec!r}; use one of {', '.join(STYLE_NAMES)} or a torch ParallelStyle")
@@ -143,7 +168,13 @@ def tensor_parallel(
             if fqn in resolved:
                 problems.append(f"module {fqn!r} is matched by both {resolved[fqn][0]!r} and {pattern!r}")
                 continue
+            if isinstance(spec, ExpertsParallel):
+                problems.extend(_expert_problems(fqn, index.modules[fqn], spec.params))
             resolved[fqn] = (pattern, spec)
+    for fqn, (pattern, style) in experts.items():
+        if fqn in resolved:
+            problems.append(f"module {fqn!r} is matched by both {resolved[fqn][0]!r} and {pattern!r}")
+        resolved[fqn] = (pattern, style)
     if problems:
         raise PlanningError("tensor_parallel: the TP plan does not fit the model:\n  - " + "\n  - ".join(problems))
     layout = sequence_layout(
@@ -169,7 +200,109 @@ def tensor_parallel(
         loss_parallel=loss_parallel,
         stream=tuple(layout.steps),
     )
-    return current.replace(tensor_parallel=tp, reductions=reductions)
+    new_warnings = tuple(w for w in dict.fromkeys(warnings) if w not in current.warnings)
+    return current.replace(tensor_parallel=tp, reductions=reductions, warnings=current.warnings + new_warnings)
+
+
+def _expert_styles(
+    index: ModelIndex,
+    declared: Mapping[str, StyleSpec],
+    explicit: bool,
+    on_moe_mesh: Collection[str],
+    problems: list[str],
+    skipped: list[tuple[str, str, str]],
+    warnings: list[str],
+) -> tuple[dict[str, tuple[str, ExpertsParallel]], set[str]]:
+    """The :class:`ExpertsParallel` style of every module a ``moe_tp_experts``
+    entry names, built from the entries naming its parameters
+    (``<experts glob>.gate_up_proj: packed_colwise``, ``...down_proj:
+    rowwise``), and the patterns these entries consumed.
+
+    Every parameter of the module must be split, and split the way an
+    ``(experts, out, in)`` weight can be: a parameter left whole beside
+    split ones (an expert bias the plan forgets) would be added to partial
+    outputs on every rank and summed ``tp`` times. A module that does not
+    fit is an error under an explicit plan; under a declared one it is left
+    whole on every TP rank, which is correct, and the Plan's first lines say so.
+    """
+    out: dict[str, tuple[str, ExpertsParallel]] = {}
+    consumed: set[str] = set()
+    for pattern, spec in declared.items():
+        if spec != EXPERTS_STYLE:
+            continue
+        consumed.add(pattern)
+        entries = {
+            k[len(pattern) + 1 :]: v
+            for k, v in declared.items()
+            if k.startswith(pattern + ".") and "." not in k[len(pattern) + 1 :] and isinstance(v, str)
+        }
+        consumed.update(f"{pattern}.{name}" for name in entries)
+        matched = index.match(pattern)
+        if not matched:
+            if explicit:
+                problems.append(f"{pattern!r} matches no module")
+            else:
+                skipped.append((pattern, EXPERTS_STYLE, "matches no module"))
+            continue
+        kept = [f for f in matched if f in on_moe_mesh]
+        if kept and explicit:
+            problems.append(
+                f"{pattern!r} splits {preview(kept)} over TP, but they shard over the moe_mesh; "
+                "leave them out of the TP plan, or give no moe_mesh"
+            )
+            continue
+        if kept:
+            skipped.append((pattern, EXPERTS_STYLE, "shards over the moe_mesh: left whole on every TP rank"))
+            matched = [f for f in matched if f not in on_moe_mesh]
+        for fqn in matched:
+            found = _expert_problems(fqn, index.modules[fqn], entries)
+            if not found:
+                out[fqn] = (pattern, ExpertsParallel(entries))
+            elif explicit:
+                problems.extend(found)
+            else:
+                skipped.append((pattern, EXPERTS_STYLE, "cannot be split: left whole on every TP rank"))
+                warnings.append(
+                    f"tensor_parallel: the declared TP plan's experts {pattern!r} stay whole on every TP rank: "
+                    + "; ".join(found)
+                )
+                break
+    return out, consumed
+
+
+def _expert_problems(fqn: str, module: nn.Module, entries: Mapping[str, str]) -> list[str]:
+    """Why ``moe_tp_experts`` with parameter styles ``entries`` cannot split
+    ``module`` (empty when it can)."""
+    problems: list[str] = []
+    own = {n: p for n, p in module._parameters.items() if p is not None}
+    for name, style in entries.items():
+        p = own.get(name)
+        if p is None:
+            problems.append(f"{fqn!r} has no parameter {name!r} for the plan's {style!r} entry")
+        elif style not in EXPERT_PARAM_STYLES or p.dim() != 3:
+            problems.append(
+                f"{fqn}.{name} ({p.dim()}-D) gets {style!r}; an expert weight is 3-D (experts, out, in) and "
+                f"takes one of {', '.join(sorted(EXPERT_PARAM_STYLES))}"
+            )
+    whole = sorted(set(own) - set(entries))
+    if whole:
+        problems.append(
+            f"{fqn!r} ({EXPERTS_STYLE}) holds {', '.join(repr(n) for n in whole)}, which the plan does not split; "
+            "each rank would add it to its partial output; give each a style "
+            f"({', '.join(sorted(EXPERT_PARAM_STYLES))})"
+        )
+    if not entries:
+        problems.append(
+            f"{fqn!r} ({EXPERTS_STYLE}): the plan names none of its parameters "
+            f"(give '{fqn}.gate_up_proj: packed_colwise' and the like)"
+        )
+    inner = [n for n, c in module.named_modules() if n and any(True for _ in c.parameters(recurse=False))]
+    if inner:
+        problems.append(
+            f"{fqn!r} ({EXPERTS_STYLE}) has submodules holding parameters ({', '.join(inner)}); "
+            "the style splits the module's own 3-D parameters only"
+        )
+    return problems
 
 
 def _mark_sum(index: ModelIndex, fqn: str, out: dict[str, Reduction], pattern: str, problems: list[str]) -> None:
@@ -202,6 +335,16 @@ def check_tensor_parallel(
             problems.append(f"TP module {a.module!r} does not exist in {type(model).__name__}")
             continue
         style = a.parallel_style
+        if isinstance(style, ExpertsParallel):
+            for name, param_style in style.params.items():
+                p = module._parameters.get(name)
+                if p is None or p.dim() != 3:
+                    problems.append(f"{a.module!r} no longer holds the 3-D parameter {name!r} its {a.style} splits")
+                    continue
+                size, what = expert_split_dim(param_style, tuple(p.shape))
+                if size % tp_size:
+                    problems.append(f"{a.module}.{name}: {what}={size} is not divisible by tp={tp_size} ({param_style})")
+            continue
         if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
             continue
         if not isinstance(module, (nn.Linear, nn.Embedding)):

@@ -171,3 +171,35 @@ def test_selective_checkpointing_dry_run_of_an_hf_model_turns_the_cache_off_and_
     config = "num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=4,vocab_size=128"
     assert main(["plan", "--hf", "llama", "--hf-config", config, "--ac", "selective", "--mesh", "dp=2"]) == 0
     assert "LlamaForCausalLM" in capsys.readouterr().out
+
+
+def test_deepseek_v3_on_dp2_tp2_holds_a_quarter_of_its_tp_split_weights_and_half_of_the_rest_per_rank(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The routed experts are 95% of DeepSeek-V3's weights: its plan splits
+    them over TP (each expert's gate|up per half, its down projection by
+    input column) beside the dense MLPs, the shared experts, the embedding
+    and the head. Everything else (MLA attention, norms, routers) is a TP
+    replica, split over the 2 FSDP ranks only. Expected from the model:
+    sum(split) / 4 + sum(replicated) / 2, within 0.1% (FSDP's padding)."""
+    import torch
+
+    from fsdptx.hf import build_hf_model
+
+    model = build_hf_model("deepseek_v3", {}, dtype=torch.bfloat16, device="meta")
+    tp_split = re.compile(r"(\.mlp\.experts\.|_proj\.weight$|embed_tokens\.weight$|^lm_head\.weight$)")
+    attention = re.compile(r"\.self_attn\.")
+    split = replicated = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if tp_split.search(name) and not attention.search(name):
+            split += nbytes
+        else:
+            replicated += nbytes
+    expected = split / 4 + replicated / 2
+
+    data = run_json(capsys, "--hf", "deepseek_v3", "--mesh", "dp=2,tp=2")
+    assert data["model_bytes"] == split + replicated
+    assert split > 0.95 * data["model_bytes"]
+    got = data["memory"]["params_bytes"]
+    assert abs(got - expected) <= 1e-3 * expected, f"{got:,} B per rank, expected {expected:,.0f} B"

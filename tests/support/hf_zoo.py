@@ -89,7 +89,7 @@ def deepseek_v3(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn
 def jamba(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Jamba, a hybrid: layer 0 a Mamba mixer with a dense MLP, layer 1
     attention with an MoE of 4 experts; its TP plan names only the experts
-    (no torch style), so no block is tensor-parallel. Not in :data:`ZOO`."""
+    (``moe_tp_experts``), so no other module is tensor-parallel. Not in :data:`ZOO`."""
     overrides = {
         **_DENSE,
         "attn_layer_period": 2,
@@ -111,6 +111,35 @@ def qwen3_moe(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.M
     (3-D ``gate_up_proj``/``down_proj``) beside the ``mlp.gate`` router. No fp32 holders."""
     overrides = {**_DENSE, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
     return build_hf_model("qwen3_moe", overrides, dtype=dtype, device=device)
+
+
+def mixtral(device: str = "meta", dtype: torch.dtype = torch.bfloat16, keep_in_fp32: tuple[str, ...] = ()) -> nn.Module:
+    """Mixtral, 4 experts (top-2) of width 128 fused in ``mlp.experts`` beside
+    the ``mlp.gate`` router (a module holding its weight directly). No fp32
+    holders as shipped; ``keep_in_fp32=("mlp.gate.",)`` keeps the router fp32."""
+    overrides = {**_DENSE, "num_local_experts": 4, "num_experts_per_tok": 2}
+    return build_hf_model("mixtral", overrides, dtype=dtype, device=device, keep_in_fp32=keep_in_fp32)
+
+
+def qwen2_moe(device: str = "meta", dtype: torch.dtype = torch.bfloat16, keep_in_fp32: tuple[str, ...] = ()) -> nn.Module:
+    """Qwen2-MoE, 4 experts (top-2) of width 32 in ``mlp.experts`` beside the
+    ``mlp.gate`` router, a shared expert (``mlp.shared_expert``) and its
+    one-output ``mlp.shared_expert_gate``."""
+    overrides = {
+        **_DENSE,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    }
+    return build_hf_model("qwen2_moe", overrides, dtype=dtype, device=device, keep_in_fp32=keep_in_fp32)
+
+
+def olmoe(device: str = "meta", dtype: torch.dtype = torch.bfloat16, keep_in_fp32: tuple[str, ...] = ()) -> nn.Module:
+    """OLMoE, 4 experts (top-2) of width 128 in ``mlp.experts`` beside the
+    ``mlp.gate`` router; q/k norms over all heads."""
+    overrides = {**_DENSE, "num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 0, "eos_token_id": 2}
+    return build_hf_model("olmoe", overrides, dtype=dtype, device=device, keep_in_fp32=keep_in_fp32)
 
 
 def gpt_oss(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Module:

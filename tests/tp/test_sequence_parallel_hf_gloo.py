@@ -2,10 +2,11 @@
 like one process under sequence parallelism, on 4 gloo ranks (dp=2 x tp=2).
 
 - DeepSeek-V3: the plan covers the MLPs (a dense one, an MoE's shared
-  expert), not the MLA attention, whose low-rank projections and rotary
-  slices then run on the whole sequence; the MoE block, whose experts and
-  router the plan leaves alone, too.
-- Jamba, a hybrid: the plan names only the experts (no torch style), so
+  expert and routed experts), not the MLA attention, whose low-rank
+  projections and rotary slices then run on the whole sequence; the MoE
+  block, whose router the plan leaves alone, too, its experts split over TP
+  inside it.
+- Jamba, a hybrid: the plan names only the experts (split over TP), so
   every region (Mamba mixer, attention, MLP, MoE) runs on the whole
   sequence while the norms and the residual stream stay on the shard.
 

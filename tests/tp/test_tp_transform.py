@@ -237,7 +237,12 @@ def test_replicated_with_grad_allreduce_on_a_module_without_direct_parameters_is
 
 def _with_declared_extras() -> Decoder:
     model = _decoder()
-    model._tp_plan = {**model._tp_plan, "layers.*.router": "colwise", "layers.*.mlp.experts": "moe_tp_experts"}
+    model._tp_plan = {
+        **model._tp_plan,
+        "layers.*.router": "colwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp": "all_reduce",
+    }
     return model
 
 
@@ -247,8 +252,11 @@ def test_declared_entries_matching_nothing_or_without_torch_style_are_skipped_an
     skipped = {(pattern, style): why for pattern, style, why in p.tensor_parallel.skipped}
     assert skipped == {
         ("layers.*.router", "colwise"): "matches no module",
-        ("layers.*.mlp.experts", "moe_tp_experts"): "no torch equivalent: left whole on every TP rank",
+        ("layers.*.mlp.experts", "moe_tp_experts"): "matches no module",
+        ("layers.*.mlp", "all_reduce"): "no torch equivalent: left whole on every TP rank",
     }
+    # A skipped style on modules that exist leaves their weights whole: the Plan's first lines say so.
+    assert str(p).startswith("warning: tensor_parallel: the declared TP plan gives 'layers.*.mlp' the style 'all_reduce'")
     assert _tp(_with_declared_extras()).tensor_parallel.assignments == _tp(_decoder()).tensor_parallel.assignments  # type: ignore[union-attr]
 
 
