@@ -8,12 +8,13 @@ copy on every data-parallel rank. A forgotten sync, a rank-dependent
 initialization or a bad checkpoint load lets them drift apart silently: the
 loss still goes down. The audit finds that in CI, or every N steps in a job.
 
-It is cheap when all is well: per group, one flat buffer of one fp64
-checksum per tensor (a position-weighted sum of the rank-local storage)
-reduced once with MAX over the checksums and their negations, so every peer
-learns the largest and smallest of each; only tensors whose checksums
-differ or are not finite ("suspects") are compared element by element, the
-same way. Which tensors each group compares is derived once and cached on
+It is cheap when all is well: per group, one checksum per tensor (a
+position-weighted sum of the rank-local storage's bits), digested with the
+group's layout into three int64 values and reduced once with MAX over them
+and their negations, so every peer learns the largest and smallest of each.
+Only where the digests differ does the flat buffer of the checksums
+themselves travel, and only tensors whose checksums differ ("suspects") are
+compared element by element, the same way. Which tensors each group compares is derived once and cached on
 the model like the TP-replica sync's layout (off inside
 ``fsdptx.caches(enabled=False)``), so a repeated audit does not walk the
 model.
@@ -38,8 +39,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
+from ..core._caches import process_memo
 from ..core._meshes import KNOWN_DIMS
-from ._replicas import _device, _Layout, _layout, _TPContext
+from ._replicas import _device, _digest_bytes, _Layout, _layout, _TPContext
 
 __all__ = ["DP_DIMS", "Drift", "ReplicaAudit", "audit_replicas", "audit_replicas_every", "format_drift"]
 
@@ -262,67 +264,112 @@ def _disagreement(g: _Group) -> str:
     return "\n  ".join(lines[:20] + ([f"... and {len(lines) - 20} more"] if len(lines) > 20 else []))
 
 
-# Elements per span of the checksum's weights: a tensor longer than this is
-# summed span by span, each span scaled by its own factor, so the transient
-# fp64 copy and the weights stay within 8 MiB each.
+# 32-bit words per span of the checksum's weights: a tensor longer than this
+# is summed span by span, each span scaled by its own weight, so the
+# transient copy and the weights stay within 4 MiB each.
 _CHECKSUM_SPAN = 2**20
-_GOLDEN = (5**0.5 - 1) / 2
 
 
-def _weights(numel: int, device: torch.device) -> torch.Tensor:
-    """Fixed weights in [1, 2), the same on every rank: the fractional parts
-    of multiples of the golden ratio, so no two positions weigh alike."""
-    return torch.arange(1, numel + 1, dtype=torch.float64, device=device).mul_(_GOLDEN).frac_().add_(1.0)
+def _weights(words: int, device: torch.device) -> torch.Tensor:
+    """Fixed odd int32 weights, the same on every rank: a multiplicative
+    hash of each position (odd, so no single changed word can vanish from
+    the sum modulo 2**32)."""
+    i = torch.arange(words, dtype=torch.int64, device=device)
+    return (((i * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF) | 1).to(torch.int32)
 
 
-def _checksum(t: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """One fp64 checksum of ``t``'s values: their sum weighted by position.
+@process_memo(limit=2)
+def _remembered_weights(key: tuple[int, torch.device]) -> torch.Tensor:
+    """:func:`_weights`, kept for the next audit (at most two vectors of at
+    most 4 MiB, cleared by :func:`fsdptx.clear_caches`): building them
+    costs as much as checksumming a model's norms."""
+    return _weights(*key)
 
-    Unlike a plain sum or norm it changes when elements are swapped, negated
-    or changed in compensating pairs; in fp64 a change of one ulp of one
-    element shows unless that element is tiny against the whole tensor. A
-    non-finite element makes it non-finite, which the caller treats as a
-    suspect (compared elementwise), never as equal."""
+
+def _whole_words(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes fill whole 32-bit words, so they can be read as
+    int32 without a copy (not 1-byte elements, nor an odd number of 2-byte
+    ones)."""
+    return t.element_size() > 1 and t.numel() * t.element_size() % 4 == 0
+
+
+def _word_count(t: torch.Tensor) -> int:
+    """How many int32 words :func:`_words` makes of ``t``."""
+    return t.numel() * t.element_size() // 4 if _whole_words(t) else t.numel()
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat int32 tensor; each element widened to a word
+    where they do not fill whole words (a copy)."""
     flat = t.reshape(-1)
-    total = torch.zeros((), dtype=torch.float64, device=weights.device)
-    for i, span in enumerate(flat.split(_CHECKSUM_SPAN)):
-        scale = 1.0 + i * _GOLDEN % 1.0
-        total += scale * torch.mul(span.to(torch.float64), weights[: span.numel()]).sum()
+    if _whole_words(flat):
+        return flat.view(torch.int32)
+    narrow = {1: torch.uint8, 2: torch.int16}[flat.element_size()]
+    return flat.view(narrow).to(torch.int32)
+
+
+def _folded(words: torch.Tensor) -> torch.Tensor:
+    """``words`` with each negative word's bits inverted, in place: a
+    bijection that turns a flipped sign bit (a change of 2**31, which two
+    odd weights would cancel modulo 2**32) into an odd change."""
+    return words.bitwise_xor_(words >> 31)
+
+
+def _checksum(words: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The weighted sum of ``words`` modulo 2**32 (int32 arithmetic wraps),
+    span by span, each span scaled by its own odd weight."""
+    total = torch.zeros((), dtype=torch.int32, device=weights.device)
+    for i, span in enumerate(words.split(_CHECKSUM_SPAN)):
+        part = _folded(span.clone()).mul_(weights[: span.numel()]).sum(dtype=torch.int32)
+        total += part * weights[i % weights.numel()]
     return total
 
 
 def _checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One fp64 checksum per tensor (:func:`_checksum`), NaN as ``inf``.
+    """One checksum per tensor, of its bits: the position-weighted sum of its
+    32-bit words modulo 2**32, as fp64 (exact) for the MAX collective.
 
-    Tensors of one dtype, device and size (a model's norms, its routers) are
-    checksummed together, stacked in batches of at most
-    :data:`_CHECKSUM_SPAN` elements: four kernels per batch instead of a
-    few per tensor, which is what a call over many small tensors costs.
-    Native kernels, not BLAS: a BLAS matrix-vector product may round two
-    equal rows differently, by their place in the batch or in memory."""
+    Bits, not values: integer sums are exact and independent of summation
+    order, so equal copies give equal checksums whatever kernel or thread
+    count computed them, and any change of one word changes the sum (its
+    weight is odd, and a sign bit is folded into the low bits first,
+    :func:`_folded`); swapped, negated or compensating elements change it
+    as well, and an infinity hides nothing. Copies that differ only in bits
+    (``-0.0`` and ``0.0``, two NaN payloads) are suspects that the
+    elementwise comparison then finds equal. No conversion to a wider type:
+    one fold, one int32 multiply and one sum per batch of equally long tensors (stacked,
+    at most :data:`_CHECKSUM_SPAN` words), which is what a call over many
+    small tensors costs."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    weights: dict[torch.device, torch.Tensor] = {}
-    span = min(_CHECKSUM_SPAN, max(t.numel() for t in tensors))
-    out = torch.empty(len(tensors), dtype=torch.float64, device=device)
-    alike: dict[tuple[torch.dtype, torch.device, int], list[int]] = {}
+    out = torch.zeros(len(tensors), dtype=torch.int32, device=device)
+    alike: dict[tuple[torch.dtype, torch.device, torch.Size], list[int]] = {}
     for i, t in enumerate(tensors):
-        alike.setdefault((t.dtype, t.device, t.numel()), []).append(i)
+        alike.setdefault((t.dtype, t.device, t.shape), []).append(i)
+    longest = max(map(_word_count, tensors))
     with torch.no_grad():
-        for (_dtype, where, numel), indices in alike.items():
-            w = weights.get(where)
-            if w is None:
-                w = weights[where] = _weights(span, where)
-            if numel > _CHECKSUM_SPAN or numel == 0:
-                for i in indices:
-                    out[i] = _checksum(tensors[i], w)
+        for (_dtype, where, _shape), indices in alike.items():
+            w = _remembered_weights((min(_CHECKSUM_SPAN, max(longest, 1)), where))
+            first = tensors[indices[0]]
+            n = _word_count(first)
+            if n == 0:
                 continue
-            per_batch = _CHECKSUM_SPAN // numel
+            if not _whole_words(first) or n > _CHECKSUM_SPAN:
+                for i in indices:
+                    out[i] = _checksum(_words(tensors[i]), w).to(device)
+                continue
+            per_batch = _CHECKSUM_SPAN // n
             for start in range(0, len(indices), per_batch):
                 batch = indices[start : start + per_batch]
-                stacked = torch.stack([tensors[i].reshape(-1) for i in batch]).to(torch.float64)
-                out[batch] = stacked.mul_(w[:numel]).sum(1).to(device)
-    return torch.nan_to_num(out, nan=math.inf, posinf=math.inf, neginf=-math.inf)
+                stacked = torch.stack([tensors[i] for i in batch]).reshape(len(batch), -1).view(torch.int32)
+                out[batch] = _folded(stacked).mul_(w[:n]).sum(1, dtype=torch.int32).to(device)
+    return out.to(torch.float64)
+
+
+def _checksums_digest(checksums: torch.Tensor) -> int:
+    """A 62-bit digest of a group's checksums (order included), so a clean
+    audit compares all of them in the agreement's one collective."""
+    return _digest_bytes(checksums.cpu().numpy().tobytes())
 
 
 # Elements of suspects compared per collective: each travels as two fp64
@@ -384,13 +431,15 @@ def audit_replicas(
     ``cp``): every tensor whose placements replicate it there (HSDP's
     replicated shards, plain parameters). Rank-local storage is compared.
 
-    Per group: one agreement (MAX of count and layout digest), one MAX
-    all-reduce of one fp64 checksum per tensor, then for suspects only an
-    elementwise MAX all-reduce (per chunk of at most 2**22 elements).
-    Across the mesh, unless one audited dim spans it (then the group's
-    results already are the mesh's): a flag per stage and, only when
-    something drifted, an all-gather of the findings, so the result is the
-    same on every rank. A clean audit of a TP-only mesh is 2 collectives.
+    Per group: one MAX all-reduce of the layout (count and digest) and a
+    digest of every tensor's checksum (of its bits); only where those
+    digests differ, a MAX all-reduce of the checksums themselves, then for
+    suspects only an elementwise MAX all-reduce (per chunk of at most 2**22
+    elements). Across the mesh, unless one audited dim spans it (then the
+    group's results already are the mesh's): a flag per stage and, only
+    when something drifted, an all-gather of the findings, so the result is
+    the same on every rank. A clean audit of a TP-only mesh is 1
+    collective.
     Call it on every rank of the mesh at the same point (e.g. after
     ``optimizer.step()``). No mesh dim to audit (all of size 1, or none
     named ``tp``/data-parallel): a clean audit, no collective.
@@ -434,12 +483,17 @@ def audit_replicas(
     spanning = [n for n, size in zip(mesh.mesh_dim_names or (), mesh.shape) if size > 1]
     group_is_mesh = len(groups) == 1 and spanning == [groups[0].dim]
 
-    # 1. Each group agrees on its layout; the mesh learns where it did not.
-    disagree = []
-    for g in groups:
-        fields = torch.tensor([len(g.tensors), g.layout.digest], dtype=torch.int64, device=device)
-        high, low = _max_and_min(fields, g.group)
-        disagree.append(int(not torch.equal(high, low)))
+    # 1. One collective per group carries the layout (count and digest) and a
+    # digest of every tensor's checksum: peers that agree on all three
+    # hold equal copies (the clean audit ends here), peers that disagree
+    # on the layout raise, and only a group whose checksums differ goes on.
+    sums = [_checksums(g.tensors, device) for g in groups]
+    disagree, differ = [], []
+    for g, checksums in zip(groups, sums):
+        fields = torch.tensor([len(g.tensors), g.layout.digest, _checksums_digest(checksums)], dtype=torch.int64)
+        high, low = _max_and_min(fields.to(device), g.group)
+        disagree.append(int(not torch.equal(high[:2], low[:2])))
+        differ.append(bool(high[2] != low[2]))
     flags = torch.tensor(disagree, dtype=torch.int64, device=device)
     if not group_is_mesh:
         flags = _mesh_max(flags, mesh)
@@ -455,15 +509,14 @@ def audit_replicas(
             + ("\n" + "\n".join(details) if details else " See the error on the ranks of those groups.")
         )
 
-    # 2. Checksums, then suspects elementwise.
+    # 2. Where the checksums differ: each tensor's, then suspects elementwise.
     records: list[Drift] = []
-    checked: list[tuple[str, int]] = []
-    for g in groups:
-        checked.append((g.dim, len(g.tensors)))
-        if not g.tensors:  # the peers agreed there is nothing: no collective
+    checked = [(g.dim, len(g.tensors)) for g in groups]
+    for g, checksums, different in zip(groups, sums, differ):
+        if not different:
             continue
-        high, low = _max_and_min(_checksums(g.tensors, device), g.group)
-        suspects = ((high != low) | ~high.isfinite() | ~low.isfinite()).nonzero().flatten().tolist()
+        high, low = _max_and_min(checksums, g.group)
+        suspects = (high != low).nonzero().flatten().tolist()
         if suspects:
             diffs = _compare_suspects([g.tensors[i] for i in suspects], g, atol, rtol, device)
             records += [Drift(g.fqns[i], g.dim, g.ranks, d) for i, d in zip(suspects, diffs) if d is not None]

@@ -366,7 +366,12 @@ _MASK = (1 << 62) - 1
 
 def _digest(text: str) -> int:
     """A 62-bit digest: it fits the agreement's int64 values."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK
+    return _digest_bytes(text.encode())
+
+
+def _digest_bytes(data: bytes) -> int:
+    """:func:`_digest` of raw bytes."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _MASK
 
 
 @dataclass

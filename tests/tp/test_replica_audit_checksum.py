@@ -1,6 +1,7 @@
-"""The audit's per-tensor checksum changes with every kind of drift that a
-plain sum or norm of the copies misses, for small tensors (checksummed in
-stacked batches) and for tensors longer than one span of weights."""
+"""The audit's per-tensor checksum (of the tensor's bits) changes with every
+kind of drift that a plain sum or norm of the copies misses, for small
+tensors (checksummed in stacked batches) and for tensors longer than one
+span of weights, and equal copies always get equal checksums."""
 
 from __future__ import annotations
 
@@ -47,10 +48,34 @@ def test_a_drift_that_keeps_the_sum_changes_the_checksum(numel: int, dtype: torc
     assert torch.equal(before[1:], after[1:])
 
 
-def test_equal_tensors_get_equal_checksums_and_nan_is_infinite() -> None:
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.linspace(-3, 3, 1001).bfloat16(),  # odd count of 2-byte elements
+        lambda: torch.tensor([True, False, True]),
+        lambda: torch.arange(5, dtype=torch.int64),
+        lambda: torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).t(),  # not contiguous
+        lambda: torch.randn(2, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),
+    ],
+)
+def test_equal_copies_get_equal_checksums_and_one_changed_element_another(
+    make: Callable[[], torch.Tensor],
+) -> None:
+    a, b = make(), make()
+    changed = make()
+    first = (0,) * changed.dim()
+    changed[first] = ~changed[first] if changed.dtype == torch.bool else changed[first] + 1
+    sums = _checksums([a, b, changed], torch.device("cpu"))
+    assert sums[0] == sums[1]
+    assert sums[2] != sums[0]
+
+
+def test_an_infinity_hides_no_other_change_and_nan_copies_with_equal_bits_agree() -> None:
     a = torch.linspace(-3, 3, 1000)
+    a[0] = math.inf
+    a[1] = math.nan
     b = a.clone()
-    b[5] = math.nan
+    b[5] += 1
     sums = _checksums([a, a.clone(), b], torch.device("cpu"))
-    assert sums[0] == sums[1] and math.isfinite(sums[0])
-    assert sums[2] == math.inf
+    assert sums[0] == sums[1]
+    assert sums[2] != sums[0]

@@ -280,6 +280,18 @@ def test_on_a_fake_mesh_the_audit_compares_the_tp_replicated_params_and_passes()
     assert {c.op for c in calls} == {"allreduce_"}
 
 
+def test_a_clean_audit_of_a_tp_only_mesh_is_one_collective() -> None:
+    """The layout and a digest of every checksum travel together; the
+    checksums themselves only when those digests differ."""
+    model = make_model()
+    with fake_mesh((2,), ("tp",)) as mesh:
+        fsdptx.FSDP2Manager(SP_FP32, mesh).parallelize(model)
+        with record_collectives() as calls:
+            audit = fsdptx.audit_replicas([model], mesh)
+    assert audit.ok and dict(audit.checked) == {"tp": 7}
+    assert [c.op for c in calls] == ["allreduce_"]
+
+
 def test_audit_every_n_steps_audits_on_the_nth_step_only() -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
