@@ -15,7 +15,6 @@ from torch import nn
 
 from ..core._args import require_module
 from ..plan._types import REDUCTIONS, Reduction
-from ..plan._vouch import reductions_by_module  # noqa: F401  (moved there; kept importable here)
 
 __all__ = [
     "exclude_from_tp_replica_sync",

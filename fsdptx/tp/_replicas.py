@@ -399,7 +399,7 @@ class _Layout:
     local_devices: list[torch.device]
     placements: list[tuple[object, ...] | None]
     digest: int
-    plan: _Plan | None = None  # the last per-call plan, with its buffer
+    schedule: _Schedule | None = None  # the last call's bucket schedule, with its buffer
     # For the gradient fast path (see _grad_states): the entries' tensors,
     # the type a gradient laid out like its parameter has, the DTensor ones.
     tensors: list[torch.Tensor] = field(default_factory=list)
@@ -529,7 +529,7 @@ def _layout(
     found = cache.get(op)
     if found is not None and found.valid(key):
         return found
-    cache.pop(op, None)  # release the old plan's buffer before building anew
+    cache.pop(op, None)  # release the old schedule's buffer before building anew
     layout = cache[op] = _derive_layout(parts, ctx, max_bytes, op, with_buffers, key, honour_exclusions)
     return layout
 
@@ -541,7 +541,7 @@ def _context_cache(parts: list[nn.Module]) -> _LayoutCache | None:
 
 
 # ----------------------------------------------------------------------------
-# Plans: chunks, groups and one reusable buffer, for a given set of tensors.
+# Schedules: chunks, groups and one reusable buffer, for a given set of tensors.
 
 
 @dataclass
@@ -569,13 +569,13 @@ class _Group:
 
 
 @dataclass
-class _Plan:
+class _Schedule:
     """How the tensors of one call travel: per (device, communication dtype)
     group, the chunks and their views of one buffer per device.
 
     The buffer is made (:meth:`materialize`) by the first call with this
-    plan, around its agreement (see :func:`_overlapped_agreement`), and kept
-    with the plan once a call succeeded, so repeated calls with the same
+    schedule, around its agreement (see :func:`_overlapped_agreement`), and kept
+    with the schedule once a call succeeded, so repeated calls with the same
     layout reuse it (and pack their first chunk while the agreement is in
     flight): no allocation, no page faults, no per-tensor views. Its size is
     the largest chunk plus, for a group with means, one element for the
@@ -591,7 +591,7 @@ class _Plan:
     storages: dict[torch.device, torch.Tensor] = field(default_factory=dict)  # the buffer, per device
 
     def buffer_bytes(self, device: torch.device) -> int:
-        """The size of this plan's buffer on ``device`` (0: none there)."""
+        """The size of this schedule's buffer on ``device`` (0: none there)."""
         return max(
             ((max(c.numel for c in g.chunks) + g.has_mean) * g.dtype.itemsize for g in self.groups
              if g.device == device),
@@ -624,7 +624,7 @@ class _Plan:
         self.materialized = True
 
 
-def _plan(
+def _schedule(
     key: bytes,
     shapes: list[torch.Size],
     dtypes: list[torch.dtype],
@@ -634,7 +634,7 @@ def _plan(
     max_bytes: int,
     where: str,
     names: list[str],
-) -> _Plan:
+) -> _Schedule:
     """Lay the tensors out in chunks of at most ``max_bytes`` (no memory yet).
 
     Per (device, communication dtype), mean-reduced tensors come first and
@@ -687,24 +687,24 @@ def _plan(
             whole_slots = slots if all(isinstance(slot, int) for slot in slots) else None
             chunks.append(_Chunk(slots, spans, offset, mean_numel, whole=whole_slots))  # type: ignore[arg-type]
         groups.append(_Group(device, dtype, has_mean, chunks))
-    return _Plan(key, groups)
+    return _Schedule(key, groups)
 
 
 def _execute(
-    plan: _Plan,
+    schedule: _Schedule,
     tensors: list[torch.Tensor],
     collective: Callable[[torch.Tensor], None],
     divisor: float,
     agree: Callable[[], Callable[[], None]],
 ) -> None:
-    """Run ``plan`` on ``tensors`` in place: per chunk, one foreach copy in
+    """Run ``schedule`` on ``tensors`` in place: per chunk, one foreach copy in
     (casting low precision up), one collective, one op turning the mean
     prefix's sums into means (see :func:`_mean_factor`), one foreach copy
     out (casting back).
 
     ``agree()`` starts the agreement and returns what waits for its result
     (raising on disagreement); see :func:`_overlapped_agreement`. The first
-    chunk is packed in between: packing writes only the plan's own buffer,
+    chunk is packed in between: packing writes only the schedule's own buffer,
     so the agreement's latency overlaps the copy in, and a disagreement
     still raises before any collective on the data and before any tensor
     is written.
@@ -717,7 +717,7 @@ def _execute(
     finish: Callable[[], None] | None = agree()
     try:
         staged: dict[int, torch.Tensor] = {}
-        for group in plan.groups:
+        for group in schedule.groups:
             if group.divisor is not None:
                 group.divisor.fill_(factor)  # another dtype's group may have overwritten it
             for chunk in group.chunks:
@@ -789,11 +789,11 @@ def _no_wait() -> None:
 
 
 def _overlapped_agreement(
-    plan: _Plan, start: Callable[[torch.Tensor | None], Callable[[], None]], ctx: _TPContext
+    schedule: _Schedule, start: Callable[[torch.Tensor | None], Callable[[], None]], ctx: _TPContext
 ) -> Callable[[], Callable[[], None]]:
     """What :func:`_execute` calls to agree.
 
-    When the plan's buffer already exists (a repeated call), that is
+    When the schedule's buffer already exists (a repeated call), that is
     ``start`` with a small tensor of its own, so the first chunk is packed
     while the agreement is in flight. Otherwise the agreement runs to the
     end first, in a call whose peak extra memory must stay within
@@ -805,15 +805,15 @@ def _overlapped_agreement(
     values (a budget or gradients of a few dozen bytes per TP rank) falls
     back to that: agreement first, buffer after.
     """
-    if plan.materialized:
+    if schedule.materialized:
         return lambda: start(None)
     need = _agreement_bytes(len(ctx.ranks))
-    if plan.buffer_bytes(ctx.device) >= need:
-        plan.materialize()
-        start(plan.agreement_slot(ctx.device, need))()
+    if schedule.buffer_bytes(ctx.device) >= need:
+        schedule.materialize()
+        start(schedule.agreement_slot(ctx.device, need))()
     else:
         start(None)()
-        plan.materialize()
+        schedule.materialize()
     return lambda: _no_wait
 
 
@@ -1028,10 +1028,10 @@ def broadcast_tp_replicas(
         return 0
     layout = _layout(parts, ctx, max_bytes, "broadcast", with_buffers=True)
     tensors = [_local(e.tensor) for e in layout.entries]
-    plan = layout.plan
-    if plan is None:
+    schedule = layout.schedule
+    if schedule is None:
         n = len(tensors)
-        plan = _plan(
+        schedule = _schedule(
             b"",
             [t.shape for t in tensors],
             [t.dtype for t in tensors],
@@ -1043,12 +1043,12 @@ def broadcast_tp_replicas(
             [e.fqn for e in layout.entries],
         )
     agree = _overlapped_agreement(
-        plan, lambda slot: _agree(where, ctx, layout, max_bytes, 0, b"", [], [], slot), ctx
+        schedule, lambda slot: _agree(where, ctx, layout, max_bytes, 0, b"", [], [], slot), ctx
     )
     src = ctx.ranks[0]
     with torch.no_grad():
-        _execute(plan, tensors, lambda buf: dist.broadcast(buf, src=src, group=ctx.group), 1.0, agree)
-    layout.plan = plan
+        _execute(schedule, tensors, lambda buf: dist.broadcast(buf, src=src, group=ctx.group), 1.0, agree)
+    layout.schedule = schedule
     return len(tensors)
 
 
@@ -1132,11 +1132,11 @@ def synchronize_tp_replica_gradients(
     layout = _layout(parts, ctx, max_bytes, "sync", with_buffers=False)
     states, grads, deviations, sparse = _grad_states(layout, ctx)
     key = states + "\n".join(deviations).encode()
-    plan = layout.plan
-    if plan is None or plan.key != key:
-        layout.plan = None  # release the old buffer before a new one is allocated
+    schedule = layout.schedule
+    if schedule is None or schedule.key != key:
+        layout.schedule = None  # release the old buffer before a new one is allocated
         synced = [i for i, s in enumerate(states) if s == _SYNC]
-        plan = _plan(
+        schedule = _schedule(
             key,
             [grads[i].shape for i in synced],
             [grads[i].dtype for i in synced],
@@ -1147,24 +1147,24 @@ def synchronize_tp_replica_gradients(
             where,
             [layout.entries[i].fqn for i in synced],
         )
-        plan.synced = synced
-        plan.call_digest = _call_digest(states, deviations)
-    synced = plan.synced
+        schedule.synced = synced
+        schedule.call_digest = _call_digest(states, deviations)
+    synced = schedule.synced
     agree = _overlapped_agreement(
-        plan,
-        lambda slot: _agree(where, ctx, layout, max_bytes, plan.call_digest, states, deviations, sparse, slot),
+        schedule,
+        lambda slot: _agree(where, ctx, layout, max_bytes, schedule.call_digest, states, deviations, sparse, slot),
         ctx,
     )
     tensors = grads if len(synced) == len(grads) else [grads[i] for i in synced]
     with torch.no_grad():
         _execute(
-            plan,
+            schedule,
             tensors,
             lambda buf: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group),
             float(len(ctx.ranks)),
             agree,
         )
-    layout.plan = plan
+    layout.schedule = schedule
     return len(synced)
 
 

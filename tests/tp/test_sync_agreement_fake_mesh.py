@@ -422,8 +422,8 @@ def storages(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
 
 
 def _buffer_address(model: nn.Module, op: str = "sync") -> int:
-    plan = model.__dict__["_fsdptx_tp_layouts"][op].plan
-    return int(plan.storages[torch.device("cpu")].data_ptr())
+    schedule = model.__dict__["_fsdptx_tp_layouts"][op].schedule
+    return int(schedule.storages[torch.device("cpu")].data_ptr())
 
 
 def _linear_with_grads(size: int) -> nn.Module:
