@@ -112,7 +112,8 @@ def report(
         f"audit_replicas vs synchronize_tp_replica_gradients, gloo, {WORLD_SIZE} ranks (1 TP group), "
         f"torch {torch.__version__}\n"
         f"model: benchmarks/tp_sync.py ReplicatedSet({blocks}): {n_params} TP-replicated tensors; "
-        f"clean audit: {clean}; all-drifted audit names {found}\n"
+        f"clean audit: {clean}; all-drifted audit names {found} of {n_params}"
+        f"{'' if found == n_params else f' (MISSED {n_params - found}: the audit is broken)'}\n"
         f"{len(rounds)} rounds of {runs} interleaved runs after {warmup} warm-up (slowest rank per timing); "
         f"host load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
     )

@@ -264,26 +264,29 @@ def _disagreement(g: _Group) -> str:
     return "\n  ".join(lines[:20] + ([f"... and {len(lines) - 20} more"] if len(lines) > 20 else []))
 
 
-# 32-bit words per span of the checksum's weights: a tensor longer than this
-# is summed span by span, each span scaled by its own weight, so the
-# transient copy and the weights stay within 4 MiB each.
-_CHECKSUM_SPAN = 2**20
+# Checksums are taken per row of at most _ROW_WORDS 32-bit words: a row's
+# weighted sum (weights in [1, 2), words below 2**31 in magnitude) stays
+# below 2**46, where fp64 summation over 2**14 terms rounds by less than a
+# quarter, while changing any one word by at least 1 moves the exact sum by
+# at least 1. So two copies that differ in one word always get different
+# checksums. Rows are converted to fp64 _BATCH_WORDS words at a time (8 MiB).
+_ROW_WORDS = 2**14
+_BATCH_WORDS = 2**20
+_GOLDEN = (5**0.5 - 1) / 2
 
 
 def _weights(words: int, device: torch.device) -> torch.Tensor:
-    """Fixed odd int32 weights, the same on every rank: a multiplicative
-    hash of each position (odd, so no single changed word can vanish from
-    the sum modulo 2**32)."""
-    i = torch.arange(words, dtype=torch.int64, device=device)
-    return (((i * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF) | 1).to(torch.int32)
+    """Fixed weights in [1, 2), the same on every rank: the fractional parts
+    of multiples of the golden ratio, so no two positions of a row weigh
+    alike (swapped words change the sum)."""
+    return torch.arange(1, words + 1, dtype=torch.float64, device=device).mul_(_GOLDEN).frac_().add_(1.0)
 
 
 @process_memo(limit=2)
-def _remembered_weights(key: tuple[int, torch.device]) -> torch.Tensor:
-    """:func:`_weights`, kept for the next audit (at most two vectors of at
-    most 4 MiB, cleared by :func:`fsdptx.clear_caches`): building them
-    costs as much as checksumming a model's norms."""
-    return _weights(*key)
+def _row_weights(device: torch.device) -> torch.Tensor:
+    """:func:`_weights` of one row, kept for the next audit (128 KiB per
+    device, cleared by :func:`fsdptx.clear_caches`)."""
+    return _weights(_ROW_WORDS, device)
 
 
 def _whole_words(t: torch.Tensor) -> bool:
@@ -291,11 +294,6 @@ def _whole_words(t: torch.Tensor) -> bool:
     int32 without a copy (not 1-byte elements, nor an odd number of 2-byte
     ones)."""
     return t.element_size() > 1 and t.numel() * t.element_size() % 4 == 0
-
-
-def _word_count(t: torch.Tensor) -> int:
-    """How many int32 words :func:`_words` makes of ``t``."""
-    return t.numel() * t.element_size() // 4 if _whole_words(t) else t.numel()
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -308,62 +306,58 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(narrow).to(torch.int32)
 
 
-def _folded(words: torch.Tensor) -> torch.Tensor:
-    """``words`` with each negative word's bits inverted, in place: a
-    bijection that turns a flipped sign bit (a change of 2**31, which two
-    odd weights would cancel modulo 2**32) into an odd change."""
-    return words.bitwise_xor_(words >> 31)
+def _row_sums(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each row's weighted sum in fp64, ``_BATCH_WORDS`` words at a time."""
+    per_batch = max(1, _BATCH_WORDS // max(1, rows.shape[1]))
+    w = weights[: rows.shape[1]]
+    return torch.cat([part.to(torch.float64).mul_(w).sum(1) for part in rows.split(per_batch)])
 
 
-def _checksum(words: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The weighted sum of ``words`` modulo 2**32 (int32 arithmetic wraps),
-    span by span, each span scaled by its own odd weight."""
-    total = torch.zeros((), dtype=torch.int32, device=weights.device)
-    for i, span in enumerate(words.split(_CHECKSUM_SPAN)):
-        part = _folded(span.clone()).mul_(weights[: span.numel()]).sum(dtype=torch.int32)
-        total += part * weights[i % weights.numel()]
-    return total
+def _checksums(tensors: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Checksums of the tensors' bits, and how many rows each tensor has.
 
-
-def _checksums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One checksum per tensor, of its bits: the position-weighted sum of its
-    32-bit words modulo 2**32, as fp64 (exact) for the MAX collective.
-
-    Bits, not values: integer sums are exact and independent of summation
-    order, so equal copies give equal checksums whatever kernel or thread
-    count computed them, and any change of one word changes the sum (its
-    weight is odd, and a sign bit is folded into the low bits first,
-    :func:`_folded`); swapped, negated or compensating elements change it
-    as well, and an infinity hides nothing. Copies that differ only in bits
-    (``-0.0`` and ``0.0``, two NaN payloads) are suspects that the
-    elementwise comparison then finds equal. No conversion to a wider type:
-    one fold, one int32 multiply and one sum per batch of equally long tensors (stacked,
-    at most :data:`_CHECKSUM_SPAN` words), which is what a call over many
-    small tensors costs."""
+    Each tensor is read as 32-bit words (its bits, not its values), in rows
+    of at most :data:`_ROW_WORDS` words; a row's checksum is its
+    position-weighted sum in fp64, exact enough that a row differing in one
+    word always gets another checksum. Bits make equal copies agree
+    whatever they hold (an infinity, a NaN), and a change of sign, a swap
+    or a compensating pair shows; copies that differ only in bits (``-0.0``
+    and ``0.0``, two NaN payloads) are suspects the elementwise comparison
+    then finds equal. Tensors of one dtype, device and shape are stacked
+    and summed together: a few kernels per batch instead of a few per
+    tensor, which is what a call over many small tensors costs."""
+    counts = [max(1, -(-_words_count(t) // _ROW_WORDS)) for t in tensors]
+    out = torch.zeros(sum(counts), dtype=torch.float64, device=device)
     if not tensors:
-        return torch.zeros(0, dtype=torch.float64, device=device)
-    out = torch.zeros(len(tensors), dtype=torch.int32, device=device)
+        return out, counts
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(starts[-1] + c)
     alike: dict[tuple[torch.dtype, torch.device, torch.Size], list[int]] = {}
     for i, t in enumerate(tensors):
         alike.setdefault((t.dtype, t.device, t.shape), []).append(i)
-    longest = max(map(_word_count, tensors))
     with torch.no_grad():
         for (_dtype, where, _shape), indices in alike.items():
-            w = _remembered_weights((min(_CHECKSUM_SPAN, max(longest, 1)), where))
+            w = _row_weights(where)
             first = tensors[indices[0]]
-            n = _word_count(first)
+            n = _words_count(first)
             if n == 0:
                 continue
-            if not _whole_words(first) or n > _CHECKSUM_SPAN:
-                for i in indices:
-                    out[i] = _checksum(_words(tensors[i]), w).to(device)
+            if _whole_words(first) and n <= _ROW_WORDS:  # one row each: stack them
+                stacked = torch.stack([tensors[i] for i in indices]).reshape(len(indices), -1).view(torch.int32)
+                out[[starts[i] for i in indices]] = _row_sums(stacked, w).to(device)
                 continue
-            per_batch = _CHECKSUM_SPAN // n
-            for start in range(0, len(indices), per_batch):
-                batch = indices[start : start + per_batch]
-                stacked = torch.stack([tensors[i] for i in batch]).reshape(len(batch), -1).view(torch.int32)
-                out[batch] = _folded(stacked).mul_(w[:n]).sum(1, dtype=torch.int32).to(device)
-    return out.to(torch.float64)
+            for i in indices:
+                words = _words(tensors[i])
+                rows = torch.nn.functional.pad(words, (0, -words.numel() % _ROW_WORDS)).view(-1, _ROW_WORDS) \
+                    if words.numel() > _ROW_WORDS else words.view(1, -1)
+                out[starts[i] : starts[i] + counts[i]] = _row_sums(rows, w).to(device)
+    return out, counts
+
+
+def _words_count(t: torch.Tensor) -> int:
+    """How many int32 words :func:`_words` makes of ``t``."""
+    return t.numel() * t.element_size() // 4 if _whole_words(t) else t.numel()
 
 
 def _checksums_digest(checksums: torch.Tensor) -> int:
@@ -490,7 +484,7 @@ def audit_replicas(
     sums = [_checksums(g.tensors, device) for g in groups]
     disagree, differ = [], []
     for g, checksums in zip(groups, sums):
-        fields = torch.tensor([len(g.tensors), g.layout.digest, _checksums_digest(checksums)], dtype=torch.int64)
+        fields = torch.tensor([len(g.tensors), g.layout.digest, _checksums_digest(checksums[0])], dtype=torch.int64)
         high, low = _max_and_min(fields.to(device), g.group)
         disagree.append(int(not torch.equal(high[:2], low[:2])))
         differ.append(bool(high[2] != low[2]))
@@ -515,8 +509,10 @@ def audit_replicas(
     for g, checksums, different in zip(groups, sums, differ):
         if not different:
             continue
-        high, low = _max_and_min(checksums, g.group)
-        suspects = (high != low).nonzero().flatten().tolist()
+        rows, counts = checksums
+        high, low = _max_and_min(rows, g.group)
+        owners = torch.repeat_interleave(torch.arange(len(counts), device=high.device), torch.tensor(counts, device=high.device))
+        suspects = sorted(set(owners[high != low].tolist()))
         if suspects:
             diffs = _compare_suspects([g.tensors[i] for i in suspects], g, atol, rtol, device)
             records += [Drift(g.fqns[i], g.dim, g.ranks, d) for i, d in zip(suspects, diffs) if d is not None]

@@ -1,7 +1,7 @@
-"""The audit's per-tensor checksum (of the tensor's bits) changes with every
-kind of drift that a plain sum or norm of the copies misses, for small
-tensors (checksummed in stacked batches) and for tensors longer than one
-span of weights, and equal copies always get equal checksums."""
+"""The audit's checksums (of each tensor's bits, per row of words) change with
+every kind of drift a plain sum or norm of the copies misses, for small
+tensors (stacked in batches) and for tensors of several rows, and equal
+copies always get equal checksums."""
 
 from __future__ import annotations
 
@@ -10,8 +10,18 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from fsdptx.tp._audit import _CHECKSUM_SPAN, _checksums
+from fsdptx.tp._audit import _ROW_WORDS, _checksums
+
+CPU = torch.device("cpu")
+
+
+def per_tensor(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's row checksums."""
+    rows, counts = _checksums(tensors, CPU)
+    return list(rows.split(counts))
 
 
 def _swap(t: torch.Tensor, i: int, j: int) -> None:
@@ -27,25 +37,65 @@ def _compensate(t: torch.Tensor, i: int, j: int) -> None:
     t[j] -= 0.5
 
 
+def _shift_all(t: torch.Tensor, i: int, j: int) -> None:
+    """Every element moved by the same amount (ones becoming twos changes
+    each fp32 word by exactly 2**23)."""
+    t += 1
+
+
 DRIFTS: dict[str, Callable[[torch.Tensor, int, int], None]] = {
     "two elements swapped": _swap,
     "two elements negated": _negate_pair,
     "a compensating pair": _compensate,
+    "every element shifted alike": _shift_all,
 }
 
 
-@pytest.mark.parametrize("numel", [7, 4096, _CHECKSUM_SPAN + 13])
+# Swapping two ones changes nothing, so that one pair is not a drift.
+CASES = [(d, b) for d in sorted(DRIFTS) for b in ("ones", "ramp") if (d, b) != ("two elements swapped", "ones")]
+
+
+@pytest.mark.parametrize("numel", [7, 4096, 2 * _ROW_WORDS + 13])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("drift", sorted(DRIFTS))
-def test_a_drift_that_keeps_the_sum_changes_the_checksum(numel: int, dtype: torch.dtype, drift: str) -> None:
-    base = (torch.arange(numel, dtype=torch.float64) % 97 / 8).to(dtype)
-    others = [torch.ones(numel, dtype=dtype) for _ in range(3)]  # batched with the tensor under test
+@pytest.mark.parametrize(("drift", "base"), CASES)
+def test_a_drift_that_keeps_the_sum_or_the_norm_changes_the_checksum(
+    numel: int, dtype: torch.dtype, drift: str, base: str
+) -> None:
+    start = torch.ones(numel) if base == "ones" else torch.arange(numel, dtype=torch.float64) % 97 / 8 + 1
+    start = start.to(dtype)
+    others = [torch.ones(numel, dtype=dtype) for _ in range(3)]  # stacked with the tensor under test
+    changed = start.clone()
+    DRIFTS[drift](changed, 1, numel - 2)  # rows apart for the longest tensor
+    assert not torch.equal(changed, start)
+    before = per_tensor([start, *others])
+    after = per_tensor([changed, *others])
+    assert not torch.equal(before[0], after[0])
+    assert all(torch.equal(a, b) for a, b in zip(before[1:], after[1:]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    numel=st.integers(1, 3 * _ROW_WORDS),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool]),
+    seed=st.integers(0, 2**31),
+    data=st.data(),
+)
+def test_one_changed_element_always_changes_its_tensors_checksums(
+    numel: int, dtype: torch.dtype, seed: int, data: st.DataObject
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    base = (torch.randn(numel, generator=g) * 100).to(dtype) if dtype != torch.bool else torch.rand(numel, generator=g) > 0.5
     changed = base.clone()
-    DRIFTS[drift](changed, 1, numel - 2)  # across spans for the longest tensor
-    before = _checksums([base, *others], torch.device("cpu"))
-    after = _checksums([changed, *others], torch.device("cpu"))
-    assert before[0] != after[0]
-    assert torch.equal(before[1:], after[1:])
+    i = data.draw(st.integers(0, numel - 1))
+    words = changed.view(torch.uint8)
+    byte = data.draw(st.integers(0, changed.element_size() - 1))
+    if dtype == torch.bool:
+        changed[i] = ~changed[i]
+    else:
+        words[i * changed.element_size() + byte] ^= 1 << data.draw(st.integers(0, 7))
+    a, b, c = per_tensor([base, base.clone(), changed])
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
 
 
 @pytest.mark.parametrize(
@@ -65,9 +115,9 @@ def test_equal_copies_get_equal_checksums_and_one_changed_element_another(
     changed = make()
     first = (0,) * changed.dim()
     changed[first] = ~changed[first] if changed.dtype == torch.bool else changed[first] + 1
-    sums = _checksums([a, b, changed], torch.device("cpu"))
-    assert sums[0] == sums[1]
-    assert sums[2] != sums[0]
+    sums = per_tensor([a, b, changed])
+    assert torch.equal(sums[0], sums[1])
+    assert not torch.equal(sums[2], sums[0])
 
 
 def test_an_infinity_hides_no_other_change_and_nan_copies_with_equal_bits_agree() -> None:
@@ -76,6 +126,6 @@ def test_an_infinity_hides_no_other_change_and_nan_copies_with_equal_bits_agree(
     a[1] = math.nan
     b = a.clone()
     b[5] += 1
-    sums = _checksums([a, a.clone(), b], torch.device("cpu"))
-    assert sums[0] == sums[1]
-    assert sums[2] != sums[0]
+    sums = per_tensor([a, a.clone(), b])
+    assert torch.equal(sums[0], sums[1]) and bool(sums[0].isfinite().all())
+    assert not torch.equal(sums[2], sums[0])
