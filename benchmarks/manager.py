@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fsdptx import FSDP2Config, FSDP2Manager, Plan
-from fsdptx.apply._apply import shard_kwargs
+from fsdptx.apply._fsdp import shard_kwargs
 from fsdptx.core._meshes import fsdp_mesh, tp_mesh
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import fake_mesh, record_collectives

@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdptx
-from fsdptx.apply._apply import shard_kwargs
+from fsdptx.apply._fsdp import shard_kwargs
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import fake_mesh, mark_sharded
 

@@ -55,7 +55,8 @@ from .tp._replicas import (
 )
 
 # apply: carrying a plan out
-from .apply._apply import PlanMismatchError, apply_plan, check_plan
+from .apply._apply import apply_plan
+from .apply._check import PlanMismatchError, check_plan
 from .apply._unused import configure_fsdp_unused_param_reduction
 
 # compat: the seed-compatible imperative API and the MTP guards

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..apply._apply import turn_kv_cache_off
+from ..apply._checkpoint import turn_kv_cache_off
 from ._report import OPTIMIZER_STATES, ParamShard
 
 __all__ = ["Collective", "MemoryEstimate", "Sample", "estimate_memory", "trace_step"]
@@ -575,7 +575,7 @@ def disable_kv_cache(model: nn.Module) -> list[str]:
     """Turn off ``use_cache`` on every config the model's modules hold and
     return where, before the dry run plans: the dry run builds its own
     model and decides as ``parallelize`` does under checkpointing (see
-    :func:`fsdptx.apply._apply.turn_kv_cache_off`), without its warnings."""
+    :func:`fsdptx.apply._checkpoint.turn_kv_cache_off`), without its warnings."""
     return turn_kv_cache_off(model)
 
 

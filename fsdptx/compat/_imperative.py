@@ -21,7 +21,8 @@ from torch.distributed.fsdp import (
 from ..core._args import require_module
 from ..core._caches import BoundedMemo, caches_enabled, process_wide
 from ..core._names import Names, name_tokens
-from ..apply._apply import ShardModule, apply_resolved, check_resolved, require_mesh as _require_mesh
+from ..apply._apply import ShardModule, apply_resolved
+from ..apply._check import check_resolved, require_mesh as _require_mesh
 from ..apply._unused import configure_fsdp_unused_param_reduction
 from ..model._index import ModelIndex
 from ..model._unit_checks import container_classes

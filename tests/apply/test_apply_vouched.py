@@ -22,7 +22,7 @@ from torch import nn
 
 import fsdptx
 from fsdptx import Plan, PlanMismatchError
-from fsdptx.apply import _apply
+from fsdptx.apply import _check
 from fsdptx.model._index import ModelIndex
 from fsdptx.plan._vouch import vouch
 from fsdptx.testing import mark_sharded
@@ -40,13 +40,13 @@ class FullChecks:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
-        original = _apply._check_in_full
+        original = _check._check_in_full
 
         def counting(plan: Plan, model: nn.Module, index: ModelIndex) -> list[list[nn.Module]]:
             self.count += 1
             return original(plan, model, index)
 
-        monkeypatch.setattr(_apply, "_check_in_full", counting)
+        monkeypatch.setattr(_check, "_check_in_full", counting)
 
 
 def apply(p: Plan, model: nn.Module) -> None:

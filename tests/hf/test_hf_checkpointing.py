@@ -48,7 +48,7 @@ def test_checkpointing_turns_the_kv_cache_off_with_a_warning_naming_the_switch(
 ) -> None:
     torch.manual_seed(0)
     model = hf_zoo.ZOO[name]("cpu", torch.float32)
-    with fake_mesh((1,), ("dp",)) as mesh, caplog.at_level(logging.WARNING, logger="fsdptx.apply._apply"):
+    with fake_mesh((1,), ("dp",)) as mesh, caplog.at_level(logging.WARNING, logger="fsdptx.apply._checkpoint"):
         manager = fsdptx.FSDP2Manager(fsdptx.FSDP2Config(activation_checkpointing="selective"), mesh)
         manager.parallelize(model)
     switch = f"model.{holder}.config.use_cache" if holder else "model.config.use_cache"

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fsdptx import FSDP2Config, FSDP2Manager, apply_plan, caches
-from fsdptx.apply._apply import turn_kv_cache_off
+from fsdptx.apply._checkpoint import turn_kv_cache_off
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import fake_mesh
 
