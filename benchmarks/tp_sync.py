@@ -257,7 +257,7 @@ def phase_breakdown(
     the pack), collective (the data all-reduce), unpack (sums scaled into
     means, copy out).
     """
-    from fsdptx.tp import _replicas as r
+    from fsdptx.tp.sync import _agreement, _context, _layout, _ops, _schedule
 
     pc = time.perf_counter_ns
     rows: dict[str, list[int]] = {k: [] for k in PHASES}
@@ -267,13 +267,13 @@ def phase_breakdown(
         dist.barrier()
         marks: dict[str, int] = {}
         t0 = pc()
-        parts, max_bytes = r._check_arguments(where, [model], mesh, "tp", fsdptx.DEFAULT_MAX_BUFFER_BYTES)
-        ctx = r._tp_context(mesh, "tp", r._cache_of(parts[0]))
+        parts, max_bytes = _context._check_arguments(where, [model], mesh, "tp", fsdptx.DEFAULT_MAX_BUFFER_BYTES)
+        ctx = _layout._tp_context(mesh, "tp", _layout._cache_of(parts[0]))
         assert ctx is not None
-        layout = r._layout(parts, ctx, max_bytes, "sync", with_buffers=False)
+        layout = _layout._layout(parts, ctx, max_bytes, "sync", with_buffers=False)
         t1 = pc()
-        states, grads, deviations, sparse = r._grad_states(layout, ctx)
-        plan = layout.plan
+        states, grads, deviations, sparse = _ops._grad_states(layout, ctx)
+        plan = layout.schedule
         assert plan is not None and plan.key == states + "\n".join(deviations).encode(), "run the function first"
         plan.materialize()
         synced = plan.synced
@@ -281,7 +281,7 @@ def phase_breakdown(
         t2 = pc()
 
         def agree() -> Callable[[], None]:
-            finish = r._agree(where, ctx, layout, max_bytes, plan.call_digest, states, deviations, sparse, None)
+            finish = _agreement._agree(where, ctx, layout, max_bytes, plan.call_digest, states, deviations, sparse, None)
 
             def timed() -> None:
                 marks["wait"] = pc()
@@ -296,7 +296,7 @@ def phase_breakdown(
             marks["unpack"] = pc()
 
         with torch.no_grad():
-            r._execute(plan, tensors, collective, float(len(ctx.ranks)), agree)
+            _schedule._execute(plan, tensors, collective, float(len(ctx.ranks)), agree)
         t3 = pc()
         if i >= warmup:
             for k, v in (

@@ -48,11 +48,8 @@ from .plan._types import Checkpointing, ExpertParallel, Plan, Prefetch, Reductio
 from .tp import loss_parallel, tensor_parallel
 from .tp._audit import Drift, ReplicaAudit, audit_replicas, audit_replicas_every
 from .tp._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduction
-from .tp._replicas import (
-    broadcast_tp_replicas,
-    is_tp_replicated,
-    synchronize_tp_replica_gradients,
-)
+from .tp.sync._context import is_tp_replicated
+from .tp.sync._ops import broadcast_tp_replicas, synchronize_tp_replica_gradients
 
 # apply: carrying a plan out
 from .apply._apply import apply_plan

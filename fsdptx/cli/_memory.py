@@ -323,7 +323,7 @@ def _tp_replica_sync(tracker: _StepTracker, model: nn.Module, mesh: DeviceMesh) 
     at most ``DEFAULT_MAX_BUFFER_BYTES``; returns the note saying so."""
     from ..core._chunks import DEFAULT_MAX_BUFFER_BYTES
     from ..core._dtypes import gradient_reduce_dtype
-    from ..tp._replicas import synchronize_tp_replica_gradients
+    from ..tp.sync._ops import synchronize_tp_replica_gradients
     from ._common import _tp_dim
 
     try:

@@ -1,8 +1,8 @@
 """Tensor parallelism: the ``tensor_parallel`` transform and the style names
 it understands (``_styles``, ``_transform``; ``_experts`` for MoE experts
 split inside every expert), the TP-replica marks
-(``_marks``) and the replica broadcast and gradient synchronization
-(``_replicas``)."""
+(``_marks``), the replica broadcast and gradient synchronization
+(``sync/``) and the replica audit (``_audit``)."""
 
 from ._experts import ExpertsParallel
 from ._styles import STYLE_NAMES, GatherSequence, ShardSequence, WholeSequence, describe_style

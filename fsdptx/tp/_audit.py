@@ -41,7 +41,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ..core._caches import process_memo
 from ..core._meshes import KNOWN_DIMS
-from ._replicas import _device, _digest_bytes, _Layout, _layout, _TPContext
+from .sync._context import _device, _TPContext
+from .sync._layout import _digest_bytes, _Layout, _layout
 
 __all__ = ["DP_DIMS", "Drift", "ReplicaAudit", "audit_replicas", "audit_replicas_every", "format_drift"]
 
@@ -191,7 +192,7 @@ def _groups(
 
     Each group's tensors come from the sync's layout machinery, so they are
     cached on the model like the sync's and re-derived only when the model,
-    its marks or the mesh changed (:func:`fsdptx.tp._replicas._layout`)."""
+    its marks or the mesh changed (:func:`fsdptx.tp.sync._layout._layout`)."""
     names = mesh.mesh_dim_names or ()
     rank = dist.get_rank()
     groups: list[_Group] = []

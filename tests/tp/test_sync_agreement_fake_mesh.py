@@ -478,7 +478,7 @@ def test_broadcast_agrees_in_the_head_of_the_buffer_it_makes(
 def test_fast_gradient_check_agrees_with_the_per_entry_loop(mesh: DeviceMesh, change: str) -> None:
     """Whatever the gradients, the one-pass check either returns what the
     per-entry loop would (all synchronized, no deviation) or defers to it."""
-    from fsdptx.tp import _replicas
+    from fsdptx.tp.sync import _agreement, _layout, _ops
 
     model = _model()
     synchronize_tp_replica_gradients(model, mesh)
@@ -489,12 +489,12 @@ def test_fast_gradient_check_agrees_with_the_per_entry_loop(mesh: DeviceMesh, ch
     if change in ("dtype", "shape"):  # the same parameter object, new storage (as after .data = ...)
         model.b.weight.data = torch.zeros_like(grads[change])
     model.b.weight.grad = grads[change]
-    fast = _replicas._common_grads(layout)
-    states, got, deviations, sparse = _replicas._grad_states(layout, _replicas._tp_context(mesh, "tp", None))
+    fast = _ops._common_grads(layout)
+    states, got, deviations, sparse = _ops._grad_states(layout, _layout._tp_context(mesh, "tp", None))
     if fast is not None:
         assert change == "none"
         assert all(a is b for a, b in zip(fast, got)) and not deviations and not sparse
-        assert set(states) == {_replicas._SYNC}
+        assert set(states) == {_agreement._SYNC}
     else:
         assert change != "none"
 
