@@ -146,9 +146,6 @@ def synchronize_tp_replica_gradients(
     arguments stay the same; so is one buffer of at most ``max_bytes`` per
     device.
 
-    Returns the number of rank-local gradients synchronized (tied once);
-    0 and no collective without a TP axis of size > 1.
-
     Args:
         model_parts: the model, or the model parts this rank holds, in the
             same order on every rank.
@@ -158,7 +155,8 @@ def synchronize_tp_replica_gradients(
         max_bytes: the most bytes one communication buffer may take.
 
     Returns:
-        How many rank-local gradients were synchronized (tied ones once).
+        How many rank-local gradients were synchronized (tied ones once);
+        0, and no collective, without a TP axis of size > 1.
 
     Raises:
         TypeError: ``max_bytes`` is not a positive integer.
