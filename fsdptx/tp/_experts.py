@@ -21,6 +21,13 @@ no style for such a module, so fsdptx brings its own, :class:`ExpertsParallel`:
   router and everything before it see the full gradient on every rank:
   a router is a TP replica whose gradients agree, and needs no mark.
 
+Under sequence parallelism the MoE block around the experts is usually
+:class:`~fsdptx.tp._styles.ExpertsSequence`: the experts then hand their
+partial sums on unreduced (``partial_output=True``) and the block
+reduce-scatters them onto the sequence shard, one reduce-scatter where an
+all-reduce and a slice would move twice the bytes (torchtitan's MoE
+pattern: ``Partial`` output, ``Shard(1)`` desired).
+
 The routing indices are integer tensors and pass through untouched.
 """
 
@@ -134,11 +141,24 @@ class ExpertsParallel(ParallelStyle):
     """Tensor parallelism inside every expert of a grouped-experts module
     (see the module docstring). ``params`` maps each parameter of the module
     to the style name that splits it (:data:`EXPERT_PARAM_STYLES`); the
-    planner checks that it names every parameter the module holds."""
+    planner checks that it names every parameter the module holds.
+    ``partial_output``: return each rank's partial sum unreduced, for a
+    block that reduces it itself (:class:`~fsdptx.tp._styles.ExpertsSequence`).
 
-    def __init__(self, params: Mapping[str, str]) -> None:
+    Example::
+
+        style = ExpertsParallel({"gate_up_proj": "packed_colwise", "down_proj": "rowwise"})
+        parallelize_module(model, tp_mesh, {"model.layers.0.mlp.experts": style})
+    """
+
+    def __init__(self, params: Mapping[str, str], *, partial_output: bool = False) -> None:
         super().__init__()
         self.params = dict(params)
+        self.partial_output = partial_output
+
+    def with_partial_output(self) -> ExpertsParallel:
+        """The same split, handing the partial sums on unreduced."""
+        return ExpertsParallel(self.params, partial_output=True)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, style in self.params.items():
@@ -156,6 +176,8 @@ class ExpertsParallel(ParallelStyle):
             kwargs = {k: _sum_grad(v, group) for k, v in kwargs.items()}
             with _local_params(module, names):
                 out = forward(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and self.partial_output:
+                return out
             if isinstance(out, torch.Tensor):
                 summed: torch.Tensor = _SumForward.apply(out, group)  # type: ignore[no-untyped-call]
                 return summed
@@ -169,4 +191,4 @@ class ExpertsParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}: {v}" for k, v in self.params.items())
-        return f"{EXPERTS_STYLE}({inner})"
+        return f"{EXPERTS_STYLE}({inner}{'; partial sums out' if self.partial_output else ''})"

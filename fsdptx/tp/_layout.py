@@ -19,6 +19,9 @@ head) and, under sequence parallelism:
 - gives a region the plan leaves (partly) alone the whole sequence
   (:class:`~fsdptx.tp._styles.WholeSequence`), so a hybrid or MLA model
   still runs its norms and residual stream on the shard;
+- gives a MoE block holding only a router and experts split over TP
+  (:class:`~fsdptx.tp._styles.ExpertsSequence`) the whole sequence and
+  reduce-scatters the experts' partial sums back onto the shard;
 - leaves small token-local holders (a module holding parameters directly,
   with no submodule of its own: sinks, gates) on the shard, where each rank
   sees only its tokens and their gradients get a TP-replica ``sum`` mark;
@@ -55,6 +58,7 @@ from ._styles import (
     COLWISE_NAMES,
     ROWWISE_NAMES,
     SEQ,
+    ExpertsSequence,
     GatherSequence,
     Seq,
     ShardSequence,
@@ -368,6 +372,17 @@ def _on_stream(p: _Pass, fqn: str, cur: _Lay) -> _Lay:
             _holder(p, fqn, direct_only=False)
             p.step(fqn, "holder", cur, cur, "runs on the shard: gradients summed over TP")
         return cur
+    experts = _moe_block_experts(p, fqn, inner)
+    if experts:
+        base = p.index.fqn_of(unwrap_checkpoint(module))
+        p.add(fqn, "experts_sequence (sp)", ExpertsSequence(tuple(f.removeprefix(base + ".") for f in experts)))
+        for f in experts:
+            pattern, spec = p.declared[f]
+            assert isinstance(spec, ExpertsParallel)  # _moe_block_experts checked
+            partial = spec.with_partial_output()
+            p.out.assignments[f] = TPAssignment(f, describe_style(partial), pattern, partial)
+        p.step(fqn, "region", cur, _Lay("shard", False, fqn), "gather in, reduce-scatter the experts' partial sums out")
+        return cur
     uncovered = _uncovered(p, fqn, inner)
     gathers_itself = _gathers_itself(p, inner)
     if gathers_itself:
@@ -408,6 +423,24 @@ def _holder(p: _Pass, fqn: str, *, direct_only: bool) -> None:
     for f, m in p.index.modules.items():
         if _inside(f, fqn) and m._parameters:
             p.out.sums.append(f)
+
+
+def _moe_block_experts(p: _Pass, region: str, inner: list[str]) -> list[str]:
+    """The experts of ``region`` if it is a MoE block whose output can only
+    be its experts' partial sums: every TP style inside it splits experts,
+    and every other parameter sits on a router-like holder, a direct child
+    holding parameters but no submodules that do. A shared expert, a norm
+    or a parameter of the block itself (whole values that could be added to
+    the output) leave it to :class:`WholeSequence` (``[]``)."""
+    if not p.sp or not inner or not all(isinstance(p.explicit(f), ExpertsParallel) for f in inner):
+        return []
+    base = p.index.fqn_of(unwrap_checkpoint(p.index.modules[region]))
+    for f, m in p.index.modules.items():
+        if not m._parameters or not _inside(f, region) or any(_inside(f, e) for e in inner):
+            continue
+        if f.rpartition(".")[0] not in (region, base) or _compound(p.index, f) or _is_norm(m):
+            return []
+    return inner
 
 
 def _uncovered(p: _Pass, region: str, inner: list[str]) -> list[str]:

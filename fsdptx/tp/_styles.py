@@ -1,4 +1,4 @@
-"""Tensor-parallel style names, their torch equivalents, and the three
+"""Tensor-parallel style names, their torch equivalents, and the four
 boundary styles sequence parallelism adds where a plan leaves a gap.
 
 Hugging Face models declare TP plans as ``{module glob: style name}``; fsdptx
@@ -45,6 +45,11 @@ called with), leaving every other argument alone:
   and slices its output back to ``Shard(1)``: for a region the plan leaves
   (partly) alone, such as DeepSeek-V3's MLA attention or a Mamba mixer, whose
   plain parameters cannot meet a DTensor.
+- :class:`ExpertsSequence` gives a MoE block (a router beside experts split
+  over TP) the whole sequence as a plain tensor, as :class:`WholeSequence`
+  does, and reduce-scatters the experts' partial sums onto ``Shard(1)``:
+  torchtitan's ``PrepareModuleInputOutput`` (``Partial`` out, ``Shard(1)``
+  desired) instead of an all-reduce and a slice.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -352,6 +357,78 @@ class WholeSequence(_Boundary):
 
     takes, gives, inner = SEQ, SEQ, Replicate()
     slices_output = True
+
+
+class ExpertsSequence(_Boundary):
+    """Run a MoE block on the whole sequence as plain tensors and
+    reduce-scatter its output, the partial sums of its ``experts`` (module
+    paths inside the block, split by :class:`ExpertsParallel` with
+    ``partial_output=True``), onto this rank's ``Shard(1)`` slice.
+
+    The planner chooses it only for a block holding nothing but those
+    experts and token-local holders (the router), whose output is the
+    experts' output: a partial sum is only summed correctly if nothing
+    whole was added to it. The forward checks that the block returns a view
+    of the experts' output and raises otherwise, rather than reduce-scatter
+    a mix of partial and whole values. Backward: an all-gather of the
+    output's gradient; the experts all-reduce their input gradients, so the
+    router's gradients agree on every rank.
+    """
+
+    takes, gives, inner = SEQ, SEQ, Replicate()
+
+    def __init__(self, experts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.experts = tuple(experts)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+        outputs: list[torch.Tensor] = []
+
+        def record(m: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                outputs.append(output)
+
+        for path in self.experts:
+            module.get_submodule(path).register_forward_hook(record)
+
+        def after(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            _where, full = _hidden_states(m, args, kwargs, self)
+            length = full.shape[1] if isinstance(full, torch.Tensor) and full.dim() >= 2 else None
+            first = output[0] if isinstance(output, tuple) and output else output
+            produced = {id(_root(t)) for t in outputs}
+            outputs.clear()
+            if not isinstance(first, torch.Tensor) or id(_root(first)) not in produced:
+                raise RuntimeError(
+                    f"{type(m).__name__} (experts_sequence): the block's output is not a view of its experts' "
+                    f"output {self.experts}, so it may mix the experts' per-rank partial sums with whole values "
+                    "and cannot be reduce-scattered; give the block an explicit style in the TP plan "
+                    "(fsdptx.tp.WholeSequence() all-reduces the experts instead)"
+                )
+            return _reduce_scatter_output(output, length, device_mesh)
+
+        module.register_forward_hook(after, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"ExpertsSequence({', '.join(self.experts)})"
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` views (``t`` itself if not a view)."""
+    base = t._base
+    return t if base is None else base
+
+
+def _reduce_scatter_output(output: Any, length: int | None, mesh: DeviceMesh) -> Any:
+    """This rank's ``Shard(1)`` slice of the sum of the ranks' partial
+    outputs (the tensor, or the first element of a tuple)."""
+    if isinstance(output, tuple) and output:
+        return (_reduce_scatter_output(output[0], length, mesh), *output[1:])
+    if isinstance(output, torch.Tensor) and output.dim() >= 2 and output.shape[1] == length:
+        partial = DTensor.from_local(output, mesh, (Partial(),), run_check=False)
+        return partial.redistribute(mesh, (SEQ,)).to_local()
+    raise RuntimeError(f"experts_sequence: expected the block's output to be shaped like its input sequence ({length})")
 
 
 def describe_style(style: ParallelStyle) -> str:

@@ -11,6 +11,18 @@ the head is ``ColwiseParallel(input_layouts=Shard(1))`` with ``Replicate``
 or, under loss parallelism, vocabulary-sharded DTensor logits. Then
 composable ``checkpoint`` per block and ``fully_shard`` per block and root.
 
+Its MoE pattern (``apply_moe_ep_tp`` for Llama 4, Qwen3, DeepSeek-V3):
+the MoE block is ``PrepareModuleInputOutput`` (``Shard(1)`` in, gathered
+to a plain ``Replicate``; the output a ``Partial`` sum reduce-scattered to
+``Shard(1)``); the router computes whole on every rank (``NoParallel``:
+no collective); the experts are ``TensorParallel`` (``w1``/``w3``
+``Shard(1)``, ``w2`` ``Shard(2)``; the routed input enters with
+``grad_placements=Partial``, so its gradient is all-reduced); Qwen3's
+q/k norms are ``SequenceParallel(sequence_dim=2)`` over the local heads.
+On a Hugging Face experts module (:class:`ExpertsTensorParallel`) the
+packed gate|up weight splits per half, and the routing weights, which
+enter the experts there, get the routed input's Partial gradient too.
+
 :func:`explicit_plan` is the same as a dict of torch styles by glob, for
 ``FSDP2Config(tp_plan=...)``: "a plan written the torchtitan way".
 """
@@ -23,17 +35,22 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["LAYOUTS", "Layout", "explicit_plan", "parallelize_by_hand"]
+__all__ = ["LAYOUTS", "ExpertsTensorParallel", "Layout", "explicit_plan", "parallelize_by_hand"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,8 @@ class Layout:
     # length: it stays a Shard(1) DTensor (whose length reads whole) until
     # the first block takes its local part.
     dtensor_embedding: bool = False
+    moe: str | None = None  # the block-relative MoE block (router ``gate``, ``experts``)
+    head_norms: tuple[str, ...] = ()  # block-relative per-head norms after colwise projections
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -80,7 +99,66 @@ LAYOUTS: dict[str, Layout] = {
         keyword="hidden_states",
         dtensor_embedding=True,
     ),
+    "hf_mixtral": Layout(
+        "model.embed_tokens",
+        "model.layers.*",
+        ("input_layernorm", "post_attention_layernorm"),
+        {"self_attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",))},
+        "model.norm",
+        "lm_head",
+        keyword="hidden_states",
+        dtensor_embedding=True,
+        moe="mlp",
+    ),
+    "hf_qwen3_moe": Layout(
+        "model.embed_tokens",
+        "model.layers.*",
+        ("input_layernorm", "post_attention_layernorm"),
+        {"self_attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",))},
+        "model.norm",
+        "lm_head",
+        keyword="hidden_states",
+        dtensor_embedding=True,
+        moe="mlp",
+        head_norms=("self_attn.q_norm", "self_attn.k_norm"),
+    ),
 }
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    """torchtitan's ``TensorParallel`` experts on a Hugging Face experts
+    module (3-D ``gate_up_proj``, ``down_proj``): gate|up split per half,
+    down by input column; the float inputs enter as ``Replicate`` with
+    ``Partial`` gradients; the forward reads the local shards and returns
+    this rank's partial sum."""
+
+    _PLACEMENTS = (("gate_up_proj", _StridedShard(1, split_factor=2)), ("down_proj", Shard(2)))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, placement in self._PLACEMENTS:
+            weight = module._parameters[name]
+            assert weight is not None
+            module.register_parameter(name, nn.Parameter(distribute_tensor(weight.data, device_mesh, [placement])))
+
+        def before(m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            for name, _ in self._PLACEMENTS:
+                param = m._parameters[name]
+                assert isinstance(param, DTensor)
+                m.__dict__[name] = param.to_local()
+            return tuple(
+                DTensor.from_local(a, device_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+                if isinstance(a, torch.Tensor) and a.is_floating_point()
+                else a
+                for a in args
+            )
+
+        def after(m: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            for name, _ in self._PLACEMENTS:
+                m.__dict__.pop(name, None)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+        return module
 
 
 def _gather(layout: Layout, positional_extras: int) -> PrepareModuleInput:
@@ -113,6 +191,18 @@ def explicit_plan(name: str, *, loss_parallel: bool = False) -> dict[str, Parall
         plan[first] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
     for norm in layout.norms:
         plan[f"{layout.blocks}.{norm}"] = SequenceParallel()
+    if layout.moe is not None:
+        plan[f"{layout.blocks}.{layout.moe}"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Partial(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        )
+        plan[f"{layout.blocks}.{layout.moe}.experts"] = ExpertsTensorParallel()
+    for norm in layout.head_norms:
+        plan[f"{layout.blocks}.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     for region, (colwise, rowwise) in layout.regions.items():
         # titan's attention takes (x, rope): the rope tables stay as they are.
         extras = 1 if name == "titan" and region == "attention" else 0
