@@ -108,7 +108,11 @@ def _check_tp_plan(plan: object) -> FrozenMapping[str | ParallelStyle] | None:
         return None
     if not isinstance(plan, Mapping):
         raise TypeError(f"FSDP2Config.tp_plan must be a mapping of module glob -> style, got {plan!r}")
-    from .tp import STYLE_NAMES
+    from .tp import EXPERT_PARAM_STYLES, EXPERTS_STYLE, STYLE_NAMES
+
+    # Names a module or an expert weight may get: the experts' own are
+    # meaningful only together (checked per module when the plan resolves).
+    names = tuple(sorted({*STYLE_NAMES, EXPERTS_STYLE, *EXPERT_PARAM_STYLES}))
 
     for key, style in plan.items():
         if not isinstance(key, str):
@@ -120,14 +124,14 @@ def _check_tp_plan(plan: object) -> FrozenMapping[str | ParallelStyle] | None:
         if not isinstance(style, str):
             raise TypeError(
                 f"FSDP2Config.tp_plan[{key!r}]: style must be a style name or a torch ParallelStyle, "
-                f"got {style!r}; use one of {', '.join(STYLE_NAMES)}"
+                f"got {style!r}; use one of {', '.join(names)}"
             )
-        if style not in STYLE_NAMES:
-            close = difflib.get_close_matches(style, STYLE_NAMES, n=1)
+        if style not in names:
+            close = difflib.get_close_matches(style, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(
                 f"FSDP2Config.tp_plan[{key!r}]: unknown style {style!r}{hint} "
-                f"(names: {', '.join(STYLE_NAMES)}, or a torch ParallelStyle)"
+                f"(names: {', '.join(names)}, or a torch ParallelStyle)"
             )
     return FrozenMapping(plan)
 

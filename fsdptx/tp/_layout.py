@@ -375,7 +375,7 @@ def _on_stream(p: _Pass, fqn: str, cur: _Lay) -> _Lay:
     experts = _moe_block_experts(p, fqn, inner)
     if experts:
         base = p.index.fqn_of(unwrap_checkpoint(module))
-        p.add(fqn, "experts_sequence (sp)", ExpertsSequence(tuple(f.removeprefix(base + ".") for f in experts)))
+        p.add(fqn, "experts_sequence (sp)", ExpertsSequence(tuple(f.removeprefix(base + ".") for f in experts), fqn))
         for f in experts:
             pattern, spec = p.declared[f]
             assert isinstance(spec, ExpertsParallel)  # _moe_block_experts checked

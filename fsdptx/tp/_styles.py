@@ -377,17 +377,20 @@ class ExpertsSequence(_Boundary):
 
     takes, gives, inner = SEQ, SEQ, Replicate()
 
-    def __init__(self, experts: tuple[str, ...]) -> None:
+    def __init__(self, experts: tuple[str, ...], block: str = "") -> None:
         super().__init__()
         self.experts = tuple(experts)
+        self.block = block  # the block's FQN, for error messages
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         super()._apply(module, device_mesh)
-        outputs: list[torch.Tensor] = []
+        # The experts' outputs of this forward, with their version counters:
+        # a view shares its base's counter, so an in-place add shows.
+        outputs: dict[int, int] = {}
 
         def record(m: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if isinstance(output, torch.Tensor):
-                outputs.append(output)
+                outputs[id(_root(output))] = output._version
 
         for path in self.experts:
             module.get_submodule(path).register_forward_hook(record)
@@ -396,14 +399,14 @@ class ExpertsSequence(_Boundary):
             _where, full = _hidden_states(m, args, kwargs, self)
             length = full.shape[1] if isinstance(full, torch.Tensor) and full.dim() >= 2 else None
             first = output[0] if isinstance(output, tuple) and output else output
-            produced = {id(_root(t)) for t in outputs}
+            produced = dict(outputs)
             outputs.clear()
-            if not isinstance(first, torch.Tensor) or id(_root(first)) not in produced:
+            if not isinstance(first, torch.Tensor) or produced.get(id(_root(first))) != first._version:
                 raise RuntimeError(
-                    f"{type(m).__name__} (experts_sequence): the block's output is not a view of its experts' "
-                    f"output {self.experts}, so it may mix the experts' per-rank partial sums with whole values "
-                    "and cannot be reduce-scattered; give the block an explicit style in the TP plan "
-                    "(fsdptx.tp.WholeSequence() all-reduces the experts instead)"
+                    f"{self.block or type(m).__name__!r} (experts_sequence): the block's output is not its experts' output "
+                    f"{self.experts} as they returned it (another tensor, or changed in place), so it may mix "
+                    "the experts' per-rank partial sums with whole values and cannot be reduce-scattered; "
+                    "give the block fsdptx.tp.WholeSequence() in the TP plan: its experts then all-reduce"
                 )
             return _reduce_scatter_output(output, length, device_mesh)
 

@@ -11,7 +11,10 @@ gradients of their inputs, so the routers (TP replicas) see full gradients.
   block then runs on the whole sequence: its router is outside the TP
   styles; the experts inside it stay split);
 - DeepSeek-V3: MLA attention left whole, a dense MLP and the shared expert
-  TP-split beside the split routed experts (and its fp32-declared router).
+  TP-split beside the split routed experts (and its fp32-declared router);
+- the peer: Qwen3-MoE and Mixtral parallelized by hand in torchtitan's MoE
+  pattern (``titan_pattern``) train like one process too, and like fsdptx
+  with sequence parallelism step for step.
 
 fp32, mixed precision off, 3 SGD steps; losses within 1e-5 relative,
 parameters within 1e-4 of one process (summation order only). One launch
@@ -37,10 +40,12 @@ import fsdptx  # noqa: E402
 from fsdptx.testing import run_distributed  # noqa: E402
 
 import hf_zoo  # noqa: E402
+from titan_pattern import parallelize_by_hand  # noqa: E402
 
 WORLD, DP, TP = 4, 2, 2
 PER_RANK_BATCH, SEQ, STEPS, LR = 2, 8, 3, 0.5
 SCENARIOS = (("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", False), ("mixtral", True), ("deepseek_v3", False))
+BY_HAND = {"qwen3_moe": "hf_qwen3_moe", "mixtral": "hf_mixtral"}  # model -> titan_pattern layout
 
 
 def build(name: str) -> nn.Module:
@@ -80,6 +85,28 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, full_params(model)
 
 
+def _steps(model: nn.Module, mesh: Any, sync: bool) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    dp_rank = mesh.get_coordinate()[0]
+    losses = []
+    for step in global_batch():
+        opt.zero_grad()
+        loss = loss_of(model, step[dp_rank * PER_RANK_BATCH : (dp_rank + 1) * PER_RANK_BATCH])
+        loss.backward()
+        if sync:
+            fsdptx.synchronize_tp_replica_gradients([model], mesh)
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=mesh.get_group("dp"))
+        losses.append(total.item() / DP)
+    return losses
+
+
+def _train_by_hand(mesh: Any, name: str) -> dict[str, Any]:
+    model = parallelize_by_hand(build(name), BY_HAND[name], mesh)
+    return {"losses": _steps(model, mesh, sync=False), "params": full_params(model)}
+
+
 def _train(mesh: Any, name: str, sp: bool) -> dict[str, Any]:
     model = build(name)
     fsdptx.FSDP2Manager(fsdptx.FSDP2Config(sequence_parallel=sp, mp_policy=None), mesh).parallelize(model)
@@ -88,33 +115,24 @@ def _train(mesh: Any, name: str, sp: bool) -> dict[str, Any]:
     )
     gate_up = model.get_submodule(f"model.layers.{hf_zoo.LAYERS - 1}.mlp.experts").gate_up_proj
     tp_local = gate_up.redistribute(placements=[Replicate(), gate_up.placements[1]]).to_local().detach().clone()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    dp_rank = mesh.get_coordinate()[0]
-    losses = []
-    for step in global_batch():
-        opt.zero_grad()
-        loss = loss_of(model, step[dp_rank * PER_RANK_BATCH : (dp_rank + 1) * PER_RANK_BATCH])
-        loss.backward()
-        fsdptx.synchronize_tp_replica_gradients([model], mesh)
-        opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=mesh.get_group("dp"))
-        losses.append(total.item() / DP)
+    losses = _steps(model, mesh, sync=True)
     return {"losses": losses, "params": full_params(model), "split": split, "gate_up": tp_local}
 
 
-def _worker(rank: int, world_size: int) -> dict[tuple[str, bool], Any]:
+def _worker(rank: int, world_size: int) -> dict[Any, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    return {(name, sp): _train(mesh, name, sp) for name, sp in SCENARIOS}
+    runs: dict[Any, Any] = {(name, sp): _train(mesh, name, sp) for name, sp in SCENARIOS}
+    runs.update({(name, "by_hand"): _train_by_hand(mesh, name) for name in BY_HAND})
+    return runs
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[tuple[str, bool], Any]]:
+def runs() -> list[dict[Any, Any]]:
     return run_distributed(_worker, WORLD, timeout_s=900, collective_timeout_s=60)
 
 
-def test_each_tp_rank_keeps_its_rows_of_both_the_gate_and_the_up_half(runs: list[dict[tuple[str, bool], Any]]) -> None:
+def test_each_tp_rank_keeps_its_rows_of_both_the_gate_and_the_up_half(runs: list[dict[Any, Any]]) -> None:
     """A plain Shard(1) of the packed gate|up weight would hand TP rank 0
     the whole gate and rank 1 the whole up projection, and the kernel's
     chunk(2) would pair gate rows with gate rows."""
@@ -129,7 +147,7 @@ def test_each_tp_rank_keeps_its_rows_of_both_the_gate_and_the_up_half(runs: list
 
 @pytest.mark.parametrize(("name", "sp"), SCENARIOS, ids=[f"{n}-{'sp' if s else 'tp'}" for n, s in SCENARIOS])
 def test_moe_model_with_tp_split_experts_matches_one_process(
-    runs: list[dict[tuple[str, bool], Any]], name: str, sp: bool
+    runs: list[dict[Any, Any]], name: str, sp: bool
 ) -> None:
     ref_losses, ref_params = reference(name)
     expert_weights = sorted(n for n in ref_params if ".experts." in n)
@@ -141,3 +159,23 @@ def test_moe_model_with_tp_split_experts_matches_one_process(
         )
         for param, ref in ref_params.items():
             torch.testing.assert_close(got["params"][param], ref, rtol=0, atol=1e-4, msg=f"rank {rank} {param}")
+
+
+@pytest.mark.parametrize("name", sorted(BY_HAND))
+def test_torchtitans_moe_pattern_by_hand_matches_one_process_and_fsdptx_with_sp(
+    runs: list[dict[Any, Any]], name: str
+) -> None:
+    """The peer the collectives are compared with computes the same thing:
+    its losses and parameters match one process, and its losses match
+    fsdptx's with sequence parallelism step for step."""
+    ref_losses, ref_params = reference(name)
+    for rank, result in enumerate(runs):
+        hand, ours = result[(name, "by_hand")], result[(name, True)]
+        torch.testing.assert_close(
+            torch.tensor(hand["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0, msg=f"rank {rank} losses"
+        )
+        torch.testing.assert_close(
+            torch.tensor(ours["losses"]), torch.tensor(hand["losses"]), rtol=1e-5, atol=0, msg=f"rank {rank} vs by hand"
+        )
+        for param, ref in ref_params.items():
+            torch.testing.assert_close(hand["params"][param], ref, rtol=0, atol=1e-4, msg=f"rank {rank} {param}")

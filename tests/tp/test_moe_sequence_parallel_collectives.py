@@ -1,0 +1,174 @@
+"""A MoE model under sequence parallelism costs no more than torchtitan's MoE
+pattern: TP collectives of one training step (forward and backward) on a
+fake (dp=2, tp=2) mesh, for Hugging Face Mixtral and Qwen3-MoE with their
+declared plans, against the same models parallelized by hand in
+torchtitan's pattern (``titan_pattern``: the block gathers its input and
+reduce-scatters the experts' ``Partial`` sum).
+
+Parity of the two is in ``test_moe_tp_gloo.py``. Here: how many
+collectives of which size, which style the MoE block gets, and the check
+that keeps a block from reduce-scattering anything but its experts' output.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("transformers")
+
+import fsdptx  # noqa: E402
+from fsdptx.testing import Collective, fake_mesh, record_collectives  # noqa: E402
+from fsdptx.tp import ExpertsParallel, WholeSequence  # noqa: E402
+
+import hf_zoo  # noqa: E402
+from titan_pattern import parallelize_by_hand  # noqa: E402
+
+TP_GROUP = (0, 1)  # rank 0's TP peers on a (dp=2, tp=2) mesh
+BATCH, SEQ = 2, 16
+# hidden states of the whole batch, fp32: what a MoE block's all-gather, reduce-scatter
+# and its experts' input-gradient all-reduce carry
+ACTIVATION = BATCH * SEQ * hf_zoo.HIDDEN * 4
+LAYOUTS = {"mixtral": "hf_mixtral", "qwen3_moe": "hf_qwen3_moe"}
+
+
+def _build(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    model: nn.Module = getattr(hf_zoo, name)("cpu", torch.float32)
+    return model
+
+
+def _tokens() -> torch.Tensor:
+    return torch.arange(BATCH * SEQ).reshape(BATCH, SEQ) % hf_zoo.VOCAB
+
+
+def _step(model: nn.Module) -> list[Collective]:
+    tokens = _tokens()
+    with record_collectives() as calls:
+        logits = model(input_ids=tokens).logits
+        F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    return calls
+
+
+def _nbytes(c: Collective) -> int:
+    return max(torch.Size(s).numel() * d.itemsize for s, d in zip(c.shapes, c.dtypes))
+
+
+def _tally(calls: list[Collective]) -> Counter[tuple[str, int]]:
+    return Counter((c.op, _nbytes(c)) for c in calls if c.group == TP_GROUP)
+
+
+@functools.cache
+def _measure(name: str) -> dict[str, Counter[tuple[str, int]]]:
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        hand = _step(parallelize_by_hand(_build(name), LAYOUTS[name], mesh))
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        model = _build(name)
+        fsdptx.FSDP2Manager(fsdptx.FSDP2Config(sequence_parallel=True, mp_policy=None), mesh).parallelize(model)
+        ours = _step(model)
+        with record_collectives() as sync:
+            fsdptx.synchronize_tp_replica_gradients([model], mesh)
+    return {"hand": _tally(hand), "ours": _tally(ours), "sync": _tally(sync)}
+
+
+def test_mixtral_step_tp_collectives_match_torchtitans_moe_pattern_op_for_op() -> None:
+    found = _measure("mixtral")
+    assert found["ours"] == found["hand"]
+
+
+def test_qwen3_moe_step_moves_torchtitans_collectives_less_its_per_layer_q_k_norm_all_reduces() -> None:
+    """torchtitan's q/k norms are ``SequenceParallel(sequence_dim=2)``: one
+    all-reduce of each norm's weight gradient per layer in backward. The
+    declared plan marks them ``replicated_with_grad_allreduce``: summed in
+    the once-per-step TP-replica sync's one bucket instead."""
+    found = _measure("qwen3_moe")
+    norm_grad = 16 * 4  # head_dim, fp32
+    assert found["hand"] - found["ours"] == Counter({("all_reduce", norm_grad): 2 * hf_zoo.LAYERS})
+    assert not found["ours"] - found["hand"]
+    assert sum(found["sync"].values()) == 2, found["sync"]  # the layout agreement and one bucket
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_each_moe_layer_all_reduces_one_activation_the_experts_input_gradient(name: str) -> None:
+    """Forward: all-gather in, reduce-scatter out. Backward: the experts'
+    input gradient is the only activation all-reduced (the block's output
+    was all-reduced too before the block reduce-scattered it)."""
+    found = _measure(name)
+    assert found["ours"][("all_reduce", ACTIVATION)] == hf_zoo.LAYERS
+    assert found["ours"][("reduce_scatter_tensor", ACTIVATION)] == found["hand"][("reduce_scatter_tensor", ACTIVATION)]
+
+
+# ------------------------------------------------------------ the MoE block's style
+
+
+def _plan(model: nn.Module, **config: Any) -> fsdptx.Plan:
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        return fsdptx.FSDP2Manager(fsdptx.FSDP2Config(sequence_parallel=True, mp_policy=None, **config), mesh).plan(model)
+
+
+def _tp_styles(plan: fsdptx.Plan) -> dict[str, Any]:
+    assert plan.tensor_parallel is not None
+    return {a.module: a.parallel_style for a in plan.tensor_parallel.assignments}
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe"])
+def test_a_block_of_router_and_split_experts_reduce_scatters_the_experts_partial_sums(name: str) -> None:
+    plan = _plan(getattr(hf_zoo, name)())
+    styles = _tp_styles(plan)
+    for layer in range(hf_zoo.LAYERS):
+        block, experts = f"model.layers.{layer}.mlp", f"model.layers.{layer}.mlp.experts"
+        assert type(styles[block]).__name__ == "ExpertsSequence", styles[block]
+        assert isinstance(styles[experts], ExpertsParallel) and styles[experts].partial_output
+    assert "reduce-scatter the experts' partial sums out" in str(plan)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3"])
+def test_a_block_with_a_shared_expert_all_reduces_its_experts_and_slices(name: str) -> None:
+    """A shared expert (whole, or TP-split with an all-reduced output) adds
+    whole values to the experts' output: reduce-scattering the sum would
+    count them once per TP rank."""
+    styles = _tp_styles(_plan(getattr(hf_zoo, name)()))
+    moe_blocks = [f for f, s in styles.items() if isinstance(s, ExpertsParallel)]
+    assert moe_blocks
+    for experts in moe_blocks:
+        assert isinstance(styles[experts.removesuffix(".experts")], WholeSequence)
+        assert not styles[experts].partial_output
+
+
+def test_a_block_that_adds_to_its_experts_output_raises_in_forward_instead_of_reduce_scattering_it() -> None:
+    """The planner cannot read a block's forward: one that adds a whole
+    value to the experts' partial sum (here the block's input, out of place
+    and in place) would be reduce-scattered wrong, so the forward refuses."""
+    for combine in (lambda out, x: out + x, lambda out, x: out.add_(x)):
+        with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+            model = _build("mixtral")
+            block = model.get_submodule("model.layers.1.mlp")
+            forward = block.forward
+            block.forward = lambda hidden_states, f=forward, c=combine: c(f(hidden_states), hidden_states)  # type: ignore[method-assign]
+            fsdptx.FSDP2Manager(fsdptx.FSDP2Config(sequence_parallel=True, mp_policy=None), mesh).parallelize(model)
+            with pytest.raises(RuntimeError, match=r"'model.layers.1.mlp' .*not its experts' output.*WholeSequence"):
+                model(input_ids=_tokens())
+
+
+def test_such_a_block_runs_under_an_explicit_whole_sequence_entry() -> None:
+    """What the error advises: the block named ``WholeSequence()`` in the
+    plan keeps its experts all-reducing their output, and the forward runs."""
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        model = _build("mixtral")
+        block = model.get_submodule("model.layers.1.mlp")
+        forward = block.forward
+        block.forward = lambda hidden_states: forward(hidden_states) + hidden_states  # type: ignore[method-assign]
+        plan = {**model._tp_plan, "model.layers.*.mlp": WholeSequence()}  # type: ignore[dict-item]
+        manager = fsdptx.FSDP2Manager(fsdptx.FSDP2Config(sequence_parallel=True, mp_policy=None, tp_plan=plan), mesh)
+        styles = _tp_styles(manager.plan(model))
+        assert isinstance(styles["model.layers.1.mlp"], WholeSequence)
+        assert not styles["model.layers.1.mlp.experts"].partial_output
+        manager.parallelize(model)
+        logits = model(input_ids=_tokens()).logits
+        assert logits.shape == (BATCH, SEQ, hf_zoo.VOCAB)
