@@ -30,19 +30,20 @@ from .core._tree import (
 from .model._index import PlanningError
 
 # plan: the Plan, its transforms, and plan files
+from .plan._compose import Transform, compose, plan
 from .plan._diff import PlanDiff, diff_plans
-from .plan._expert_parallel import expert_parallel
 from .plan._json import plan_from_json, plan_to_json
-from .plan._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
-from .plan._transforms import (
-    Transform,
-    compose,
+from .plan._types import Checkpointing, ExpertParallel, Plan, Prefetch, Reduction, TPAssignment, TensorParallel, Unit
+from .plan.transforms import (
+    checkpoint_activations,
+    expert_parallel,
     mark_reduction,
-    plan,
+    prefetch,
+    reduce_unused_params,
+    reshard_policy,
     shard_across_blocks,
     shard_by_dtype,
 )
-from .plan._types import Checkpointing, ExpertParallel, Plan, Prefetch, Reduction, TPAssignment, TensorParallel, Unit
 
 # tp: tensor/sequence parallelism, TP-replica marks, sync and audit
 from .tp import loss_parallel, tensor_parallel

@@ -30,11 +30,19 @@ from .core._names import name_tokens
 from .core._meshes import ParallelDims, ep_size, moe_dp_dims, parallel_dims, tp_mesh
 from .core._policy import check_policy_dtypes
 from .hf._patches import patch_is_packed_sequence
-from .plan._expert_parallel import expert_parallel
 from .plan._types import Plan
 from .model._index import ModelIndex, discover_blocks, resolve_blocks
-from .plan._refine import checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
-from .plan._transforms import Transform, compose, mark_reduction, plan_indexed, shard_across_blocks, shard_by_dtype
+from .plan._compose import Transform, compose, plan_indexed
+from .plan.transforms import (
+    checkpoint_activations,
+    expert_parallel,
+    mark_reduction,
+    prefetch,
+    reduce_unused_params,
+    reshard_policy,
+    shard_across_blocks,
+    shard_by_dtype,
+)
 from .tp import check_tensor_parallel, tensor_parallel
 
 __all__ = ["FSDP2Config", "FSDP2Manager", "gradient_sync_context", "patch_is_packed_sequence"]

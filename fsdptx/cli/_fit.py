@@ -275,7 +275,7 @@ def shards_for(model: nn.Module, plan: Plan, dims: Any, ep: int = 1) -> Callable
     With ``ep`` > 1 the experts (the plan's units on the MoE mesh) are
     split across ``ep`` and FSDP-sharded over the rest of the shard and TP
     ranks, as :attr:`Candidate.moe_mesh` lays them out."""
-    from ..plan._expert_parallel import expert_parallel
+    from ..plan.transforms import expert_parallel
     from ._common import param_shards
 
     split = expert_parallel(model, plan) if ep > 1 else plan

@@ -31,7 +31,8 @@ from ..core._meshes import KNOWN_DIMS, MOE_KNOWN_DIMS
 from ..core._names import join_names
 from ..core._sizes import format_bytes
 from ..plan._json import plan_document
-from ..plan._transforms import compose, mark_reduction, shard_across_blocks, shard_by_dtype
+from ..plan._compose import compose
+from ..plan.transforms import mark_reduction, shard_across_blocks, shard_by_dtype
 from ..plan._types import Plan, _format_requests, reshards_after_forward
 from ..presets import PRESETS
 from ._common import MAX_LAYERS, MAX_WORLD, UsageError, _DTYPES, _dtype, _one_line, _rows, mp_policy, param_shards

@@ -251,7 +251,7 @@ def memory_plan(
     by ``ep`` first: a rank holds ``1 / (ep * moe_shard)`` of them.
     See :class:`MemoryPlan` for what is and is not counted.
     """
-    from ..plan._refine import block_units  # local: _refine imports the planner
+    from ..plan.transforms import block_units  # local: the transforms import the planner
 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")

@@ -25,7 +25,8 @@ from ..core._meshes import KNOWN_DIMS, MOE_KNOWN_DIMS, ParallelDims, ep_size, mo
 from ..plan._types import Plan, Unit, _format_requests, reshards_after_forward
 from ..plan._json import plan_document
 from ._report import OPTIMIZER_STATES, MemoryPlan, ParamShard, UnitTraffic, local_shape, memory_plan, step_traffic
-from ..plan._transforms import compose, mark_reduction, shard_across_blocks, shard_by_dtype
+from ..plan._compose import compose
+from ..plan.transforms import mark_reduction, shard_across_blocks, shard_by_dtype
 from ..presets import PRESETS, build_preset
 from ._memory import Trace, disable_kv_cache, memory_json, memory_text, traced
 from ._common import APPLY_BUDGET, MAX_LAYERS, MAX_WORLD, UsageError, _DP_DIMS, _DTYPES, _one_line, param_shards

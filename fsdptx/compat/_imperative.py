@@ -27,7 +27,7 @@ from ..apply._unused import configure_fsdp_unused_param_reduction
 from ..model._index import ModelIndex
 from ..model._unit_checks import container_classes
 from ..model._walk import ModelWalk, walk_model
-from ..plan._resolve import resolve_units
+from ..plan.resolve import resolve_units
 from ..plan._types import CrossBlockRequest, DtypeRequest, Plan, Unit
 
 __all__ = [

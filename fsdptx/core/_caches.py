@@ -14,7 +14,7 @@ suspects a cache) can run the plain functions alone and compare:
   bounded (least recently used entries go first), cleared by
   :func:`clear_caches`. Its keys and values hold no module or parameter.
 
-Block replay (``fsdptx.plan._resolve``), vouching (``fsdptx.plan._vouch``) and
+Block replay (``fsdptx.plan.resolve._replay``), vouching (``fsdptx.plan._vouch``) and
 the imperative API's memo of calls (``fsdptx.compat._imperative``) read
 :func:`caches_enabled` where they decide to take their fast path.
 

@@ -19,7 +19,8 @@ from ..core._globs import segment_match
 from ..core._names import Names
 from ..model._index import ModelIndex, PlanningError
 from ..plan._kinds import unit_blind
-from ..plan._transforms import block_fqns, model_index
+from ..plan._compose import model_index
+from ..plan.transforms import block_fqns
 from ..plan._types import Plan, Reduction, TensorParallel, TPAssignment, preview
 from ._experts import EXPERT_PARAM_STYLES, EXPERTS_STYLE, ExpertsParallel, expert_split_dim
 from ._layout import StyleSpec, output_head_module, sequence_layout

@@ -18,7 +18,7 @@ from fsdptx import apply_plan
 from fsdptx.cli._main import DEFAULT_PIPELINE
 from fsdptx.plan._types import Plan
 from fsdptx.cli._report import UnitTraffic, step_traffic
-from fsdptx.plan._transforms import plan
+from fsdptx.plan._compose import plan
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import Collective, fake_mesh, record_collectives
 

@@ -197,9 +197,9 @@ def test_the_checker_names_an_upward_edge(source: str, text: str, expected: str)
 
 def test_the_checker_names_a_cycle() -> None:
     edges = graph()
-    edges["fsdptx.plan._types"] = {**edges["fsdptx.plan._types"], "fsdptx.plan._resolve": 1}
+    edges["fsdptx.plan._types"] = {**edges["fsdptx.plan._types"], "fsdptx.plan.resolve._resolver": 1}
     found = cycles(edges)
-    assert any({"fsdptx.plan._types", "fsdptx.plan._resolve"} <= set(c) for c in found), found
+    assert any({"fsdptx.plan._types", "fsdptx.plan.resolve._resolver"} <= set(c) for c in found), found
 
 
 class _FakePath:

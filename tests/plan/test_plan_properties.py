@@ -30,7 +30,7 @@ import fsdptx
 from fsdptx import Plan, PlanningError, Unit
 from fsdptx.compat._imperative import _Call, _CallMemo, _plan_call
 from fsdptx.plan._types import DtypeRequest
-from fsdptx.plan._resolve import resolve_units
+from fsdptx.plan.resolve import resolve_units
 from fsdptx.plan._vouch import vouched_modules
 from fsdptx.plan._vouch import reductions_by_module
 from fsdptx.testing import fake_mesh

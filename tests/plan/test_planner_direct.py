@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
-from fsdptx.plan import _resolve as planner
+from fsdptx.plan.resolve import _replay, resolve_units
 from fsdptx.model._index import ModelIndex
 from fsdptx.testing import fake_mesh, mark_sharded
 
@@ -532,13 +532,13 @@ REPLAY_POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
 def _replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The walk positions of the blocks planning replays from here on."""
     seen: list[int] = []
-    original = planner._BlockReplay.replay
+    original = _replay._BlockReplay.replay
 
-    def counting(self: planner._BlockReplay, shapes: Any, top: int) -> None:
+    def counting(self: _replay._BlockReplay, shapes: Any, top: int) -> None:
         seen.append(top)
         original(self, shapes, top)
 
-    monkeypatch.setattr(planner._BlockReplay, "replay", counting)
+    monkeypatch.setattr(_replay._BlockReplay, "replay", counting)
     return seen
 
 
@@ -546,7 +546,7 @@ def _units_in_full(model: nn.Module) -> tuple[Unit, ...]:
     """The plan's units with every block planned in full."""
     p = fsdptx.plan(model, REPLAY_PIPELINE, mp_policy=REPLAY_POLICY)
     assert p.dtype_request is not None
-    return planner.resolve_units(
+    return resolve_units(
         model,
         mp_policy=REPLAY_POLICY,
         offload_policy=None,

@@ -1,9 +1,13 @@
-"""Pure planning: turn a model and a request into FSDP units.
+"""The resolver: the per-resolution state (:class:`_Resolver`) and the dtype
+planner it runs on one target module.
 
-One model index is built per call; dtype units and cross-block units are then
-resolved in application order while tracking which modules are already
-"sharded" in the plan, exactly as ``fully_shard`` would see them. Each module
-is visited a bounded number of times, so planning is linear in model size.
+Everything the other files of :mod:`fsdptx.plan.resolve` build on lives
+here: what ``fully_shard`` would claim (:func:`claim`), each parameter's
+(storage, compute) key (:func:`param_keys`), the unit policies, the survey of
+a target's subtree, the descent that splits a subtree mixing dtypes, and
+:func:`_plan_target`, which plans one block or the root. The messages for an
+unplannable module sit here too, since :func:`_plan_target` and
+:func:`_split_children` raise them. It imports no other file of the package.
 """
 
 from __future__ import annotations
@@ -16,15 +20,16 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from ..core._caches import caches_enabled, memoized
-from ..core._dtypes import LOW_PRECISION_FLOATS, resolve_compute_dtype, token_search
-from ._types import CrossBlockRequest, DtypeRequest, Unit, UnitKind, preview
-from ..core._policy import get_internal_fsdp_mp_policy, keep_storage_policy, mp_policy_with_param_dtype
-from ..core._tree import _EMPTY, _MIXED, get_module_from_path, join_fqn, subtree_keys
-from ..model._index import ModelIndex, PlanningError, discover_blocks, resolve_blocks, unwrap_checkpoint
-from ..model._unit_checks import is_container
+from ...core._caches import memoized
+from ...core._dtypes import LOW_PRECISION_FLOATS, resolve_compute_dtype, token_search
+from ...core._policy import get_internal_fsdp_mp_policy, keep_storage_policy, mp_policy_with_param_dtype
+from ...core._tree import _EMPTY, _MIXED, join_fqn, subtree_keys
+from ...model._index import ModelIndex, PlanningError
+from ...model._unit_checks import is_container
+from .._types import Unit, UnitKind
 
-__all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_blocks", "resolve_units"]
+__all__ = ["DtypeKey", "claim", "low_precision_bulk", "param_keys", "unit_policy"]
+
 
 DtypeKey = tuple[torch.dtype, torch.dtype]  # (storage, compute)
 
@@ -644,249 +649,6 @@ def _unsplittable_message(
     )
 
 
-@dataclass(frozen=True)
-class _UnitShape:
-    """One unit a block's planning made, relative to the block: module
-    positions from the block's walk position, parameter and ignored slots
-    from its first slot, in the unit's (name-sorted) order."""
-
-    unit: Unit
-    modules: tuple[int, ...]
-    params: tuple[int, ...]
-    ignored: tuple[int, ...]
-
-
-@dataclass
-class _BlockReplay:
-    """Plans a block built like one planned before by replaying its units.
-
-    Real models repeat one block class many times, and planning one block
-    depends only on what :meth:`shape` records: the subtree's classes, tree
-    shape and names; each parameter slot's owner, name, (storage, compute)
-    key, and whether it is frozen, ignored or already owned; which modules
-    are sharded already. Two blocks with equal shapes get the same units up
-    to the block's FQN prefix (a common prefix keeps name order), so the
-    second one onward costs a comparison and the units' construction instead
-    of surveys and descents. A block holding a tied parameter, a model with
-    shared modules, and every error take the full planning.
-    """
-
-    r: _Resolver
-    shapes: dict[tuple[object, ...], tuple[_UnitShape, ...] | None] = field(default_factory=dict)
-
-    def shape(self, top: int) -> tuple[object, ...] | None:
-        """What planning the block at walk position ``top`` depends on, or
-        ``None`` when it cannot be replayed."""
-        r, index = self.r, self.r.index
-        if index.shared_modules:
-            return None
-        walk, end = index.walk, index.subtree_end[top]
-        first, last = index.slot_start[top], index.slot_start[end]
-        aliases, keys, frozen, excluded, ignored, owner = (
-            index.aliases, r.keys, r.frozen, r.excluded, r.ignored, r.owner
-        )
-        slots = []
-        for p in walk.params[first:last]:
-            pid = id(p)
-            if pid in aliases:
-                return None
-            taken = 2 if pid in owner else 1 if pid in excluded else 0
-            slots.append((keys.get(pid), pid in frozen, taken, pid in ignored, pid in r.intrinsic))
-        sharded = r.sharded
-        return (
-            tuple(walk.types[top:end]),
-            tuple(up - top for up in walk.parents[top + 1 : end]),
-            tuple(walk.names[top + 1 : end]),
-            tuple(id(m) in sharded for m in walk.modules[top + 1 : end]),
-            tuple(o - top for o in walk.owners[first:last]),
-            tuple(walk.slot_names[first:last]),
-            tuple(slots),
-        )
-
-    def record(self, shape: tuple[object, ...], top: int, units: list[Unit]) -> None:
-        """Remember the units the full planning just made for the block at
-        ``top``; a unit naming anything outside the block is not replayable."""
-        index = self.r.index
-        first, last = index.slot_start[top], index.slot_start[index.subtree_end[top]]
-        slot_of = {f: i - first for i, f in enumerate(index.slot_fqn[first:last], first)}
-        position = index.walk.position
-        try:
-            self.shapes[shape] = tuple(
-                _UnitShape(
-                    u,
-                    tuple(position[id(index.modules[m])] - top for m in u.modules),
-                    tuple(slot_of[f] for f in u.params),
-                    tuple(slot_of[f] for f in u.ignored_params),
-                )
-                for u in units
-            )
-        except KeyError:
-            self.shapes[shape] = None
-
-    def replay(self, shapes: tuple[_UnitShape, ...], top: int) -> None:
-        """Add the recorded units for the block at ``top``, with the effects
-        :meth:`_Resolver.add` has: its parameters owned, its modules sharded."""
-        r, index = self.r, self.r.index
-        first = index.slot_start[top]
-        fqns, modules, params, facts = index.module_fqns, index.walk.modules, index.walk.params, index.param_facts
-        slot_fqn, excluded, owner, sharded = index.slot_fqn, r.excluded, r.owner, r.sharded
-        for shape in shapes:
-            position = len(r.units)
-            numel = nbytes = 0
-            for s in shape.params:
-                pid = id(params[first + s])
-                _dtype, n, b, _hint, _grad = facts[pid]
-                numel += n
-                nbytes += b
-                excluded.add(pid)
-                owner[pid] = position
-            u = shape.unit
-            r.units.append(
-                Unit(
-                    modules=tuple(fqns[top + m] for m in shape.modules),
-                    params=tuple(slot_fqn[first + s] for s in shape.params),
-                    ignored_params=tuple(slot_fqn[first + s] for s in shape.ignored),
-                    kind=u.kind,
-                    storage_dtype=u.storage_dtype,
-                    compute_dtype=u.compute_dtype,
-                    mp_policy=u.mp_policy,
-                    offload_policy=u.offload_policy,
-                    reshard_after_forward=u.reshard_after_forward,
-                    numel=numel,
-                    nbytes=nbytes,
-                    mesh=u.mesh,
-                    reasons=u.reasons,
-                )
-            )
-            sharded.update(id(modules[top + m]) for m in shape.modules)
-
-    def plan(self, fqn: str, reshard: bool | int | None) -> None:
-        """:func:`_plan_target` for a block (never the root), replayed when a
-        block of the same shape was planned before."""
-        r = self.r
-        target = r.index.module(fqn, "shard_by_dtype target")
-        top = r.index.walk.position[id(target)]
-        shape = None if id(target) in r.sharded else self.shape(top)
-        recorded = self.shapes.get(shape) if shape is not None else None
-        if recorded is not None:
-            self.replay(recorded, top)
-            return
-        before = len(r.units)
-        _plan_target(r, fqn, reshard, False)
-        if shape is not None and shape not in self.shapes:
-            self.record(shape, top, r.units[before:])
-
-
-def plan_dtype_units(r: _Resolver, request: DtypeRequest, *, replay_blocks: bool = True) -> None:
-    """Plan every dtype target of ``request``; blocks built alike are
-    replayed (:class:`_BlockReplay`) unless ``replay_blocks`` is off. A
-    single target (one call of the imperative API) has nothing to replay
-    from, so it skips recording shapes."""
-    index = r.index
-    replay = _BlockReplay(r) if replay_blocks and len(request.targets) > 1 else None
-    for fqn in request.targets:
-        target = index.module(fqn, "shard_by_dtype target")
-        if id(target) in index.sharded:
-            raise PlanningError(
-                f"shard_by_dtype: target {fqn or '<root>'!r} is already an FSDP module; plan the "
-                "model before sharding it, or leave already-sharded modules out of blocks="
-            )
-        for element, _m in _shardable(fqn, target):  # a ModuleList target means its elements
-            is_root = element == "" and request.always_shard_root
-            if element and index.tied and _tied_outside(index, element, request.targets):
-                continue  # the enclosing unit owns the tie: see _tied_outside
-            if replay is not None and not is_root:
-                replay.plan(element, request.reshard_after_forward)
-            else:
-                _plan_target(r, element, request.reshard_after_forward, is_root)
-
-
-def _tied_outside(index: ModelIndex, fqn: str, targets: Sequence[str]) -> bool:
-    """Whether module ``fqn`` holds a parameter also registered in a module
-    that is in no target (not a block).
-
-    Such a target gets no unit of its own: FSDP2 needs a tied parameter in
-    one unit, and a unit of the target would own it while the module outside
-    (BERT's ``cls.predictions.decoder``, tied to the embeddings that
-    ``_no_split_modules`` lists) still uses it. The enclosing unit, the
-    root's when nothing smaller holds both, owns the target's parameters.
-    A tie between two blocks is left to the planner, which refuses it
-    naming both names (no common unit short of the root would hold it)."""
-    top = index.walk.position[id(index.modules[fqn])]
-    blocks = tuple(t + "." for t in targets if t)
-    for p in index.walk.params[index.slot_start[top] : index.slot_start[index.subtree_end[top]]]:
-        if id(p) in index.aliases and any(not n.startswith(blocks) for n in index.names(p)):
-            return True
-    return False
-
-
-def plan_cross_block_units(
-    r: _Resolver, blocks: Sequence[str], names: Sequence[str], reshard: bool | int | None
-) -> None:
-    """One unit per dotted name, spanning every block's instance of it.
-
-    Holders whose forward ignores its input never trigger FSDP2's per-unit
-    post-backward hook, so each would be reduce-scattered alone after the whole
-    backward; one unit across blocks makes that one collective, and keeping it
-    unsharded after forward (a few KiB) avoids a re-gather per block and per
-    checkpoint recompute.
-
-    A name may also point at a module that holds fp32 parameters directly
-    beside children of other dtypes (GPT-OSS ``self_attn.sinks`` beside the
-    bf16 projections): each instance's children get their dtype units first
-    (``reshard`` as the dtype request's), so the cross-block unit owns only
-    the direct fp32 parameters.
-    """
-    index = r.index
-    repeated = sorted({n for n in names if list(names).count(n) > 1})
-    if repeated:
-        raise PlanningError(f"shard_across_blocks: module names {repeated} are listed more than once")
-    policy = r.policy(torch.float32, True)
-    block_modules = [(b, unwrap_checkpoint(index.module(b, "shard_across_blocks block"))) for b in blocks]
-    for name in names:
-        found: list[nn.Module] = []
-        for _b, block in block_modules:
-            try:
-                found.append(get_module_from_path(block, name))
-            except AttributeError:
-                continue
-        if not found:
-            raise PlanningError(
-                f"shard_across_blocks: no block has a submodule {name!r} "
-                f"(searched {len(blocks)} blocks: {preview(blocks)}); fix the name in "
-                "_fsdp_shard_across_blocks or module_names="
-            )
-        below: list[str] = []
-        reached = claim(index, found, r.sharded)
-        claimed: list[tuple[str, nn.Parameter]] | None = reached
-        bad = _non_fp32(r, reached)
-        if bad:
-            direct = [
-                (index.param_fqn[id(p)], p)
-                for m in found
-                for p in m._parameters.values()
-                if p is not None and id(p) not in r.excluded
-            ]
-            bad_direct = _non_fp32(r, direct)
-            if bad_direct or not direct:
-                where = "directly" if bad_direct else "in its subtree, and none directly"
-                raise PlanningError(
-                    f"shard_across_blocks: {name!r} must hold fp32 parameters (its unit computes and "
-                    f"reduces in fp32), but holds {where} "
-                    + ", ".join(f"{f} is {str(p.dtype).removeprefix('torch.')}" for f, p in bad_direct or bad)
-                    + "; store them in fp32, name the module that holds the fp32 parameters "
-                    "directly, or drop the name from the cross-block list"
-                )
-            below = [f for holder in found for f in _split_children(r, holder, reshard)]
-            claimed = None  # the children are units now: claim again
-        unit = r.add(found, "cross-block", policy, False, claimed, below)
-        if not unit.params:
-            raise PlanningError(
-                f"shard_across_blocks: {name!r} matched {len(found)} modules but they hold no "
-                "parameter not already owned by another unit"
-            )
-
-
 def _non_fp32(r: _Resolver, claimed: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
     """The trainable claimed parameters not stored in fp32 (frozen ones ride along)."""
     return [
@@ -907,39 +669,3 @@ def _split_children(r: _Resolver, holder: nn.Module, reshard: bool | int | None)
     descent = _Descent(r, _subtree_states(r, holder, s), s.direct, reshard, _ignored_in(r, s))
     descent.split(fqn, holder)
     return descent.scope
-
-
-
-
-def resolve_units(
-    model: nn.Module,
-    *,
-    mp_policy: MixedPrecisionPolicy | None,
-    offload_policy: OffloadPolicy | None,
-    cross_blocks: Sequence[CrossBlockRequest],
-    dtype_request: DtypeRequest | None,
-    index: ModelIndex | None = None,
-    replay_blocks: bool | None = None,
-) -> tuple[Unit, ...]:
-    """All units, in application order: cross-block units first (their
-    holders are excluded from dtype grouping whatever the transform order;
-    a holder's children of other dtypes just before it), then each dtype
-    target's children before the target itself. Ignored parameters are
-    excluded before anything is planned, so no unit owns them.
-    ``replay_blocks=False`` plans every block in full; ``None`` replays
-    while caches are on (:func:`fsdptx.caches`)."""
-    idx = index or ModelIndex.build(model)
-    tokens = dtype_request.fp32_compute_module_names if dtype_request is not None else ()
-    keys, frozen, intrinsic = param_keys(idx, mp_policy, tokens)
-    r = _Resolver(
-        idx, mp_policy, offload_policy, excluded=set(), sharded=set(idx.sharded), keys=keys, frozen=frozen,
-        intrinsic=intrinsic, bulk=low_precision_bulk(idx) if intrinsic else None,
-    )
-    reshard = dtype_request.reshard_after_forward if dtype_request is not None else None
-    if dtype_request is not None:
-        r.ignore(dtype_request.ignored_params)
-    for req in cross_blocks:
-        plan_cross_block_units(r, req.blocks, req.names, reshard)
-    if dtype_request is not None:
-        plan_dtype_units(r, dtype_request, replay_blocks=caches_enabled() if replay_blocks is None else replay_blocks)
-    return tuple(r.units)

@@ -15,11 +15,12 @@ from collections.abc import Collection
 
 from torch import nn
 
-from ..hf._expert_parallel import hf_dispatches_experts
-from ..model._index import PlanningError
-from ._kinds import unit_blind
-from ._transforms import _experts, model_index
-from ._types import ExpertParallel, Plan, preview
+from ...hf._expert_parallel import hf_dispatches_experts
+from ...model._index import PlanningError
+from .._compose import model_index
+from .._kinds import unit_blind
+from .._types import ExpertParallel, Plan, preview
+from ._shard import _experts
 
 __all__ = ["EP_HOOK", "expert_parallel"]
 

@@ -10,11 +10,12 @@ from typing import get_args
 
 from torch import nn
 
-from ..core._names import Names
-from ..model._index import PlanningError
-from ._kinds import unit_blind
-from ._transforms import block_fqns, model_index
-from ._types import Checkpointing, CheckpointMode, Plan, Prefetch, Unit
+from ...core._names import Names
+from ...model._index import PlanningError
+from .._compose import model_index
+from .._kinds import unit_blind
+from .._types import Checkpointing, CheckpointMode, Plan, Prefetch, Unit
+from ._shard import block_fqns
 
 __all__ = [
     "block_units",
