@@ -285,8 +285,6 @@ def _offload_problems(plan: Plan) -> list[str]:
     is page-locking host memory for fast copies to a device, and torch
     refuses it (in ``pin_memory``, after TP and earlier units were already
     applied) on a host without one."""
-    import torch
-
     pinned = [i for i, u in enumerate(plan.units) if getattr(u.offload_policy, "pin_memory", False)]
     if not pinned or torch.accelerator.is_available():
         return []

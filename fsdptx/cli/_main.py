@@ -35,11 +35,11 @@ from ..plan._compose import compose
 from ..plan.transforms import mark_reduction, shard_across_blocks, shard_by_dtype
 from ..plan._types import Plan, _format_requests, reshards_after_forward
 from ..presets import PRESETS
-from ._common import MAX_LAYERS, MAX_WORLD, UsageError, _DTYPES, _dtype, _one_line, _rows, mp_policy, param_shards
+from ._common import UsageError, _DTYPES, _dtype, _one_line, _rows, mp_policy
 from ._diff import PlanFileError, add_diff_parser, run_diff
 from ._memory import disable_kv_cache, memory_json, memory_text
 from ._report import OPTIMIZER_STATES, PAD_FLAG_RATIO, MemoryPlan, UnitTraffic, memory_plan, step_traffic
-from ._run import DryRun, _batch_seq, build_model, dry_run, parse_hf_config, parse_mesh, parse_moe_mesh
+from ._run import DryRun, _batch_seq, build_model, dry_run, parse_mesh, parse_moe_mesh
 
 # The pipeline of plain ``fsdptx.plan`` (no manager): kept for callers that
 # compare against it; the CLI itself runs the manager's pipeline.

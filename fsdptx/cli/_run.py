@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-
 import argparse
-import dataclasses
 import importlib
-import json
 import math
-import os
-import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Shard
 
 from ..apply._apply import apply_plan
 from ..core._meshes import KNOWN_DIMS, MOE_KNOWN_DIMS, ParallelDims, ep_size, moe_fsdp_mesh
-from ..plan._types import Plan, Unit, _format_requests, reshards_after_forward
-from ..plan._json import plan_document
-from ._report import OPTIMIZER_STATES, MemoryPlan, ParamShard, UnitTraffic, local_shape, memory_plan, step_traffic
-from ..plan._compose import compose
-from ..plan.transforms import mark_reduction, shard_across_blocks, shard_by_dtype
+from ..plan._types import Plan
+from ._report import ParamShard
 from ..presets import PRESETS, build_preset
-from ._memory import Trace, disable_kv_cache, memory_json, memory_text, traced
+from ._memory import Trace, traced
 from ._common import APPLY_BUDGET, MAX_LAYERS, MAX_WORLD, UsageError, _DP_DIMS, _DTYPES, _one_line, param_shards
 
 

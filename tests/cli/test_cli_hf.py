@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from fsdptx.cli._main import main, parse_hf_config
+from fsdptx.cli._main import main
+from fsdptx.cli._run import parse_hf_config
 
 pytest.importorskip("transformers")
 

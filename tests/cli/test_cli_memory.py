@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from fsdptx.cli import _run as _cli  # the dry run reads its apply budget there
-from fsdptx.cli._main import main, param_shards
+from fsdptx.cli._common import param_shards
+from fsdptx.cli._main import main
 from fsdptx.plan._types import Plan
 from fsdptx.cli._report import OPTIMIZER_STATES, ParamShard, local_shape, memory_plan
 from fsdptx.manager import FSDP2Config, FSDP2Manager

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdptx.cli._main import MAX_LAYERS, MAX_WORLD, main
+from fsdptx.cli._common import MAX_LAYERS, MAX_WORLD
+from fsdptx.cli._main import main
 
 FACTORIES = '''
 import sys
