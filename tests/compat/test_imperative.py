@@ -5,10 +5,8 @@ MTP/CP guards."""
 from __future__ import annotations
 
 import gc
-import math
-import sys
-import threading
 import weakref
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -429,14 +427,20 @@ def test_across_blocks_returns_a_parameter_set() -> None:
 
 
 # --------------------------------------------------------------------------- units remembered across calls
+#
+# A call on a block shaped like one an earlier call planned takes that call's
+# units from a process-wide memo. These tests observe it through the public
+# calls only: what the primitive is handed, with the memo on (the default) or
+# off (``fsdptx.caches(enabled=False)``), and, where the point is whether a call
+# was planned again, a spy on full planning.
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> imperative._CallMemo:
-    """A memo of this test's own, so earlier tests' calls do not count."""
-    fresh = imperative._CallMemo(limit=64)
-    monkeypatch.setattr(imperative, "_CALLS", fresh)
-    return fresh
+def no_earlier_calls() -> Iterator[None]:
+    """The memo starts empty, so earlier tests' calls do not count."""
+    fsdptx.clear_caches()
+    yield
+    fsdptx.clear_caches()
 
 
 def _planned_in_full(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
@@ -452,20 +456,51 @@ def _planned_in_full(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
     return planned
 
 
-def _call(
+def _shard(
     block: nn.Module,
-    memo: imperative._CallMemo | None,
     *,
     mp_policy: MixedPrecisionPolicy | None = BF16_POLICY,
     offload_policy: OffloadPolicy | None = None,
+    reshard: bool | int | float | None = None,
     ignored: set[nn.Parameter] | None = None,
-) -> tuple[Any, ...]:
-    units, _modules = imperative._plan_call(block, imperative._Call(mp_policy, offload_policy, (), None), ignored, memo)
-    return units
+) -> RecordingPrimitive:
+    """One public ``fully_shard_by_dtype`` call on ``block``; what it handed the primitive."""
+    prim = RecordingPrimitive()
+    fsdptx.fully_shard_by_dtype(
+        block, MESH, mp_policy, offload_policy,  # type: ignore[arg-type]
+        reshard_after_forward=reshard, ignored_params=ignored, shard_module=prim,  # type: ignore[arg-type]
+    )
+    return prim
+
+
+Recorded = list[tuple[str | list[str], dict[str, Any]]]
+
+
+def _relative(block: nn.Module, prim: RecordingPrimitive) -> Recorded:
+    """What ``prim`` was handed, by names inside ``block``: each unit's
+    module name (a list for a unit of several modules) and its keyword
+    arguments, ignored parameters by name. A module or parameter from
+    outside ``block`` fails the lookup."""
+    modules = {id(m): f for f, m in block.named_modules()}
+    params = {id(p): f for f, p in block.named_parameters()}
+    recorded: Recorded = []
+    for target, kwargs in prim.calls:
+        named = [modules[id(m)] for m in target] if isinstance(target, list) else modules[id(target)]
+        kw = dict(kwargs)
+        if "ignored_params" in kw:
+            kw["ignored_params"] = sorted(params[id(p)] for p in kw["ignored_params"])
+        recorded.append((named, kw))
+    return recorded
+
+
+def _without_memo(block: nn.Module, **settings: Any) -> Recorded:
+    """What planning ``block``'s call in full hands the primitive (caches off)."""
+    with fsdptx.caches(enabled=False):
+        return _relative(block, _shard(block, **settings))
 
 
 def test_only_the_first_of_blocks_built_alike_is_planned(
-    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch
+    no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = make_decoder(3)
     planned = _planned_in_full(monkeypatch)
@@ -474,24 +509,26 @@ def test_only_the_first_of_blocks_built_alike_is_planned(
     assert planned == [model.layers[0]]
 
 
-def test_a_remembered_call_gives_the_units_and_modules_planning_gives(calls: imperative._CallMemo) -> None:
+def test_a_remembered_call_hands_the_primitive_what_planning_hands_it(
+    no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = make_decoder(2)
-    _call(model.layers[0], calls)
-    block = model.layers[1]
-    call = imperative._Call(BF16_POLICY, None, (), None)
-    remembered = imperative._plan_call(block, call, None, calls)
-    planned = imperative._plan_call(block, call, None, None)
-    assert remembered[0] == planned[0]
-    assert [[id(m) for m in ms] for ms in remembered[1]] == [[id(m) for m in ms] for ms in planned[1]]
+    planned = _planned_in_full(monkeypatch)
+    _shard(model.layers[0])
+    remembered = _relative(model.layers[1], _shard(model.layers[1]))
+    assert planned == [model.layers[0]]  # the second call came from the memo
+    assert remembered and remembered == _without_memo(make_decoder(2).layers[1])
 
 
 def test_sharding_a_block_the_memo_knows_calls_the_primitive_on_that_blocks_modules(
-    calls: imperative._CallMemo,
+    no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = make_decoder(2)
+    planned = _planned_in_full(monkeypatch)
     by_dtype(model.layers[0], BF16_POLICY)
     second = by_dtype(model.layers[1], BF16_POLICY)
     inside = {id(m) for m in model.layers[1].modules()}
+    assert planned == [model.layers[0]]
     assert second.calls and all(
         id(m) in inside for target in second.targets() for m in (target if isinstance(target, list) else [target])
     )
@@ -507,37 +544,40 @@ def test_sharding_a_block_the_memo_knows_calls_the_primitive_on_that_blocks_modu
     ],
 )
 def test_a_block_that_differs_from_the_remembered_one_is_planned(
-    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch, change: Any
+    no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch, change: Any
 ) -> None:
-    model = make_decoder(2)
-    _call(model.layers[0], calls)
+    model, fresh = make_decoder(2), make_decoder(2)
+    _shard(model.layers[0])
     change(model.layers[1])
+    change(fresh.layers[1])
     planned = _planned_in_full(monkeypatch)
-    assert _call(model.layers[1], calls) == _call(model.layers[1], None)
+    assert _relative(model.layers[1], _shard(model.layers[1])) == _without_memo(fresh.layers[1])
     assert planned[0] is model.layers[1]
 
 
-def test_a_call_ignoring_other_parameters_is_planned(calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = make_decoder(2)
-    _call(model.layers[0], calls)
+def test_a_call_ignoring_other_parameters_is_planned(no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, fresh = make_decoder(2), make_decoder(2)
+    _shard(model.layers[0])
     planned = _planned_in_full(monkeypatch)
-    ignored = {model.layers[1].attn.sinks.weight}
-    assert _call(model.layers[1], calls, ignored=ignored) == _call(model.layers[1], None, ignored=ignored)
+    got = _relative(model.layers[1], _shard(model.layers[1], ignored={model.layers[1].attn.sinks.weight}))
+    assert got == _without_memo(fresh.layers[1], ignored={fresh.layers[1].attn.sinks.weight})
+    assert any(kw.get("ignored_params") == ["attn.sinks.weight"] for _m, kw in got)
     assert planned[0] is model.layers[1]
 
 
 def test_a_call_with_another_mixed_precision_policy_is_planned(
-    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch
+    no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = make_decoder(2)
+    model, fresh = make_decoder(2), make_decoder(2)
     other = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16)
-    _call(model.layers[0], calls)
+    _shard(model.layers[0])
     planned = _planned_in_full(monkeypatch)
-    assert _call(model.layers[1], calls, mp_policy=other) == _call(model.layers[1], None, mp_policy=other)
+    got = _relative(model.layers[1], _shard(model.layers[1], mp_policy=other))
+    assert got == _without_memo(fresh.layers[1], mp_policy=other)
     assert planned[0] is model.layers[1]
 
 
-def test_an_offload_policy_that_is_no_policy_is_refused_as_without_the_memo(calls: imperative._CallMemo) -> None:
+def test_an_offload_policy_that_is_no_policy_is_refused_as_without_the_memo(no_earlier_calls: None) -> None:
     model = make_decoder(2)
     by_dtype(model.layers[0], BF16_POLICY)
     with pytest.raises(fsdptx.PlanMismatchError, match="offload_policy <class .*CPUOffloadPolicy.*> is not an OffloadPolicy"):
@@ -546,26 +586,34 @@ def test_an_offload_policy_that_is_no_policy_is_refused_as_without_the_memo(call
         )
 
 
-def test_remembered_units_carry_this_calls_offload_policy_object(calls: imperative._CallMemo) -> None:
+def test_remembered_units_carry_this_calls_offload_policy_object(
+    no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An offload policy is a mutable dataclass: the one a call was given is
     the one its units hand the primitive, even when an equal one was
     remembered."""
     model = make_decoder(2)
-    first, second = CPUOffloadPolicy(), CPUOffloadPolicy()
-    _call(model.layers[0], calls, offload_policy=first)
-    units = _call(model.layers[1], calls, offload_policy=second)
-    assert units and all(u.offload_policy is second for u in units)
+    first, second = CPUOffloadPolicy(pin_memory=False), CPUOffloadPolicy(pin_memory=False)
+    planned = _planned_in_full(monkeypatch)
+    _shard(model.layers[0], offload_policy=first)
+    prim = _shard(model.layers[1], offload_policy=second)
+    assert planned == [model.layers[0]]  # the second call came from the memo
+    assert prim.calls and all(kw["offload_policy"] is second for _m, kw in prim.calls)
 
 
-def test_remembered_units_carry_this_calls_reshard_value() -> None:
+def test_remembered_units_carry_this_calls_reshard_value(
+    no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``0.0 == -0.0``: planning hands every unit the value the call gave,
-    and so does the memo (an invalid value is then named as given)."""
-    memo = imperative._CallMemo(limit=4)
+    and so does the memo, so an invalid value is refused as given."""
     model = make_decoder(2)
-    imperative._plan_call(model.layers[0], imperative._Call(BF16_POLICY, None, (), 0.0), None, memo)  # type: ignore[arg-type]
-    units, _ = imperative._plan_call(model.layers[1], imperative._Call(BF16_POLICY, None, (), -0.0), None, memo)  # type: ignore[arg-type]
-    assert len(memo) == 1 and units
-    assert all(math.copysign(1.0, u.reshard_after_forward) == -1.0 for u in units)  # type: ignore[arg-type]
+    planned = _planned_in_full(monkeypatch)
+    with pytest.raises(fsdptx.PlanMismatchError, match=r"reshard_after_forward=0\.0 is not"):
+        _shard(model.layers[0], reshard=0.0)
+    with pytest.raises(fsdptx.PlanMismatchError, match=r"reshard_after_forward=-0\.0 is not") as info:
+        _shard(model.layers[1], reshard=-0.0)
+    assert planned == [model.layers[0]]  # the second call came from the memo
+    assert "reshard_after_forward=0.0" not in str(info.value)
 
 
 class _Stack(nn.ModuleList):
@@ -582,86 +630,52 @@ def _stacked_block() -> nn.Module:
 
 
 def test_a_container_class_given_a_forward_after_a_call_is_planned_anew(
-    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch
+    no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Whether a ModuleList class is a bare container depends on its
     ``forward``, which a patch may add between two calls."""
-    _call(_stacked_block(), calls)
+    before = _relative(first := _stacked_block(), _shard(first))
     monkeypatch.setattr(_Stack, "forward", lambda self, x: x, raising=False)
     block = _stacked_block()
     planned = _planned_in_full(monkeypatch)
-    assert _call(block, calls) == _call(block, None)
+    after = _relative(block, _shard(block))
+    assert after == _without_memo(_stacked_block()) and after != before
     assert planned[0] is block
 
 
 def test_a_block_holding_a_tied_parameter_is_always_planned(
-    calls: imperative._CallMemo, monkeypatch: pytest.MonkeyPatch
+    no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = make_decoder(2)
+    """Its names are not positional, so it is neither remembered nor
+    answered from the memo: every block built alike is planned in full."""
+    model = make_decoder(3)
     for block in model.layers:
         block.mlp.up.weight = block.mlp.down.weight
     planned = _planned_in_full(monkeypatch)
-    _call(model.layers[0], calls)
-    _call(model.layers[1], calls)
-    assert planned == list(model.layers) and len(calls) == 0
+    for block in model.layers:
+        _shard(block)
+    assert planned == list(model.layers)
 
 
-def test_the_memo_keeps_no_model_alive(calls: imperative._CallMemo) -> None:
+def test_the_memo_keeps_no_model_alive(no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_decoder(2)
+    planned = _planned_in_full(monkeypatch)
     for block in model.layers:
         fsdptx.fully_shard_by_dtype(block, MESH, BF16_POLICY, None, shard_module=mark_sharded)  # type: ignore[arg-type]
-    assert len(calls) == 1
+    assert planned == [model.layers[0]]  # the memo remembered the first call and answered the second
+    planned.clear()
     gone = weakref.ref(model)
     del model, block
     gc.collect()
     assert gone() is None
 
 
-def test_the_memo_keeps_the_most_recently_used_calls() -> None:
-    memo = imperative._CallMemo(limit=2)
-    entry = imperative._Planned((), ())
-    memo.put(("a",), entry)
-    memo.put(("b",), entry)
-    assert memo.get(("a",)) is entry  # a hit counts as a use
-    memo.put(("c",), entry)
-    assert memo.get(("b",)) is None
-    assert memo.get(("a",)) is entry and memo.get(("c",)) is entry
-
-
-def test_reshard_after_forward_one_is_not_taken_for_true(calls: imperative._CallMemo) -> None:
+def test_reshard_after_forward_one_is_not_taken_for_true(no_earlier_calls: None) -> None:
     """``True == 1`` in Python, but an int asks FSDP to reshard to that many
     ranks: a call with one must not get units recorded for the other."""
     model = make_decoder(2)
-    recorded, _ = imperative._plan_call(model.layers[0], imperative._Call(BF16_POLICY, None, (), True), None, calls)
-    units, _ = imperative._plan_call(model.layers[1], imperative._Call(BF16_POLICY, None, (), 1), None, calls)
-    assert {u.reshard_after_forward for u in recorded} == {True}
-    assert {type(u.reshard_after_forward) for u in units} == {int}
-
-
-def test_the_memo_serves_calls_from_several_threads() -> None:
-    """Lookups reorder the entries and stores evict them: from several
-    threads at once, neither may fail the other. Threads switch every
-    microsecond here, so a lookup meets an eviction within the run."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    memo = imperative._CallMemo(limit=1)  # every store evicts what a lookup just found
-    entry = imperative._Planned((), ())
-    errors: list[BaseException] = []
-
-    def hammer(offset: int) -> None:
-        try:
-            for i in range(3000):
-                memo.put((offset + i % 2,), entry)
-                memo.get((offset + i % 2,))
-        except BaseException as e:  # noqa: BLE001 (any failure fails the test)
-            errors.append(e)
-
-    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(4)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-    finally:
-        sys.setswitchinterval(previous)
-    assert errors == [] and len(memo) <= 1
+    recorded = _shard(model.layers[0], reshard=True)
+    units = _shard(model.layers[1], reshard=1)
+    assert [type(kw["reshard_after_forward"]) for _m, kw in recorded.calls] == [bool] * len(recorded.calls)
+    assert units.calls and {type(kw["reshard_after_forward"]) for _m, kw in units.calls} == {int}
+    assert {kw["reshard_after_forward"] for _m, kw in units.calls} == {1}

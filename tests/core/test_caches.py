@@ -4,10 +4,14 @@ With caches off, every result comes from the plain function a cache sits
 on (the property tests compare the two on generated models); these tests
 pin down the switch itself, through what a Plan shows: a Plan made with
 caches on is vouched for (``Plan.verified``), one made with them off is not.
+
+``BoundedMemo``, the bounded least-recently-used structure every
+process-wide memo is built on, is tested here directly.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -16,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdptx
+from fsdptx.core._caches import BoundedMemo
 from fsdptx.testing import mark_sharded
 from fsdptx.presets import Decoder, DecoderConfig
 
@@ -89,3 +94,47 @@ def test_imperative_calls_after_clearing_the_caches_shard_as_before() -> None:
     before = shard(_model())
     fsdptx.clear_caches()
     assert shard(_model()) == before
+
+
+# --------------------------------------------------------------------------- BoundedMemo
+
+
+def test_a_bounded_memo_keeps_the_most_recently_used_entries() -> None:
+    memo: BoundedMemo[tuple[str], object] = BoundedMemo(limit=2)
+    entry = object()
+    memo.put(("a",), entry)
+    memo.put(("b",), entry)
+    assert memo.get(("a",)) is entry  # a hit counts as a use
+    memo.put(("c",), entry)
+    assert memo.get(("b",)) is None
+    assert memo.get(("a",)) is entry and memo.get(("c",)) is entry
+    assert len(memo) == 2
+
+
+def test_a_bounded_memo_serves_lookups_and_stores_from_several_threads() -> None:
+    """Lookups reorder the entries and stores evict them: from several
+    threads at once, neither may fail the other. Threads switch every
+    microsecond here, so a lookup meets an eviction within the run."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    memo: BoundedMemo[tuple[int], object] = BoundedMemo(limit=1)  # every store evicts what a lookup just found
+    entry = object()
+    errors: list[BaseException] = []
+
+    def hammer(offset: int) -> None:
+        try:
+            for i in range(3000):
+                memo.put((offset + i % 2,), entry)
+                memo.get((offset + i % 2,))
+        except BaseException as e:  # noqa: BLE001 (any failure fails the test)
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(previous)
+    assert errors == [] and len(memo) <= 1

@@ -28,7 +28,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
-from fsdptx.compat._imperative import _Call, _CallMemo, _plan_call
 from fsdptx.plan._types import DtypeRequest
 from fsdptx.plan.resolve import resolve_units
 from fsdptx.plan._vouch import vouched_modules
@@ -436,9 +435,42 @@ def test_replayed_blocks_get_the_units_full_planning_gives(
     assert resolve(True) == resolve(False)
 
 
-# One memo for every example: a call may reuse what any earlier example's
-# calls recorded, as calls in one process do.
-_CALL_MEMO = _CallMemo(limit=64)
+class _Recording:
+    """Stands in for ``fully_shard``: records ``(modules, kwargs)`` and does nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[nn.Module | list[nn.Module], dict[str, object]]] = []
+
+    def __call__(self, modules: nn.Module | list[nn.Module], **kwargs: object) -> None:
+        self.calls.append((modules, kwargs))
+
+
+def _imperative_call(
+    block: nn.Module, mp_policy: MixedPrecisionPolicy | None, tokens: tuple[str, ...], ignored: set[nn.Parameter] | None
+) -> list[tuple[object, dict[str, object]]] | str:
+    """One public ``fully_shard_by_dtype`` call on ``block``: what it handed
+    the primitive, by names inside ``block`` (a list for a unit of several
+    modules; ignored parameters by name), or the error it raised."""
+    prim = _Recording()
+    try:
+        fsdptx.fully_shard_by_dtype(
+            block, _MESH, mp_policy, None, tokens, ignored_params=ignored, shard_module=prim  # type: ignore[arg-type]
+        )
+    except (PlanningError, fsdptx.PlanMismatchError) as e:
+        return str(e)
+    modules = {id(m): f for f, m in block.named_modules()}
+    params = {id(p): f for f, p in block.named_parameters()}
+    recorded: list[tuple[object, dict[str, object]]] = []
+    for target, kwargs in prim.calls:
+        named = [modules[id(m)] for m in target] if isinstance(target, list) else modules[id(target)]
+        kw = dict(kwargs)
+        if "ignored_params" in kw:
+            kw["ignored_params"] = sorted(params[id(p)] for p in kw["ignored_params"])  # type: ignore[attr-defined]
+        recorded.append((named, kw))
+    return recorded
+
+
+_MESH = object()  # the recording primitive never looks at the mesh
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -449,25 +481,20 @@ def test_imperative_calls_taken_from_the_memo_get_what_planning_gives(
     tokens: tuple[str, ...],
     data: st.DataObject,
 ) -> None:
-    """Invariant: one imperative call per block, each answered from the
-    memo of earlier calls (of this example or any before it) whenever a
-    block of the same shape was planned, gets exactly the units, modules
-    and errors that planning the call gives."""
+    """Invariant: one public imperative call per block, each answered from
+    the process-wide memo of earlier calls (of this example or any before
+    it, as calls in one process are) whenever a block of the same shape was
+    planned, hands the primitive exactly the modules and settings, or
+    raises exactly the error, that the same call with caches off gives."""
     model, blocks = model_and_blocks
-    call = _Call(mp_policy, None, tokens, None)
     for fqn in blocks:
         block = model.get_submodule(fqn)
         params = [p for _f, p in block.named_parameters()]
         ignored = set(data.draw(st.lists(st.sampled_from(params), max_size=1))) if params else None
-
-        def units_and_modules(memo: _CallMemo | None) -> tuple[object, ...] | str:
-            try:
-                units, modules = _plan_call(block, call, ignored, memo)
-            except PlanningError as e:
-                return str(e)
-            return units, [[id(m) for m in ms] for ms in modules]
-
-        assert units_and_modules(_CALL_MEMO) == units_and_modules(None)
+        remembered = _imperative_call(block, mp_policy, tokens, ignored)
+        with fsdptx.caches(enabled=False):
+            planned = _imperative_call(block, mp_policy, tokens, ignored)
+        assert remembered == planned
 
 
 # --------------------------------------------------------------------------- caches on and off

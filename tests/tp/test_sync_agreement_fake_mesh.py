@@ -4,7 +4,9 @@ Real peers disagreeing are in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import gc
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+import fsdptx
 from fsdptx import broadcast_tp_replicas, mark_tp_replica_gradient_reduction, synchronize_tp_replica_gradients
 from fsdptx.testing import fake_mesh, record_collectives
 
@@ -110,6 +113,54 @@ def _model() -> nn.Module:
     return model
 
 
+Observed = tuple[dict[str, torch.Tensor | None], list[tuple[str, tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]], list[torch.Tensor]]
+
+
+def _observe_sync(model: nn.Module, mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> Observed:
+    """One sync of ``model`` with every gradient 4: the gradients after it,
+    the collectives it issued (op, shapes, dtypes) and what it told the
+    peers in its agreement (the values it sent them: the layout's digest
+    among them)."""
+    sent: list[torch.Tensor] = []
+    real = dist.all_to_all_single
+
+    def spy(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent.append(input.clone())
+        return real(output, input, *args, **kwargs)
+
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    with monkeypatch.context() as m, record_collectives() as calls:
+        m.setattr(dist, "all_to_all_single", spy)
+        synchronize_tp_replica_gradients(model, mesh)
+    return _grads(model), [(c.op, c.shapes, c.dtypes) for c in calls], sent
+
+
+def _same_observed(a: Observed, b: Observed) -> bool:
+    return (
+        _same(a[0], b[0]) and a[1] == b[1] and len(a[2]) == len(b[2])
+        and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+    )
+
+
+def _after_a_change_as_without_the_cache(
+    build: Callable[[], nn.Module], change: Callable[[nn.Module], None], mesh: DeviceMesh,
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[Observed, Observed]:
+    """A sync of a model changed after its layout was cached, and of a model
+    built and changed alike, synchronized with caches off: the first must
+    be the second if the change invalidated the cache."""
+    model = build()
+    synchronize_tp_replica_gradients(model, mesh)
+    change(model)
+    cached = _observe_sync(model, mesh, monkeypatch)
+    fresh = build()
+    change(fresh)
+    with fsdptx.caches(enabled=False):
+        plain = _observe_sync(fresh, mesh, monkeypatch)
+    return cached, plain
+
+
 def test_cached_calls_repeat_the_first_calls_collectives(mesh: DeviceMesh) -> None:
     model = _model()
     with record_collectives() as first:
@@ -196,40 +247,41 @@ def test_cache_does_not_travel_with_a_deep_copy(mesh: DeviceMesh) -> None:
     assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in clone.parameters())
 
 
-def test_moving_a_parameter_to_a_sibling_invalidates_the_cache(mesh: DeviceMesh) -> None:
-    """Same object, same local name, next module in the walk: only the FQN
-    changes, and with it the layout (the cache check delimits modules)."""
+def _siblings() -> nn.Module:
     model = nn.Module()
     model.a = nn.Module()
     model.b = nn.Module()
     model.a.w = nn.Parameter(torch.zeros(3))
+    return model
+
+
+def _move_w_to_b(model: nn.Module) -> None:
     w = model.a.w
-    synchronize_tp_replica_gradients(model, mesh)
-    layout = model.__dict__["_fsdptx_tp_layouts"]["sync"]
     del model.a.w
     model.b.w = w
-    w.grad = torch.ones(3) * 4
-    synchronize_tp_replica_gradients(model, mesh)
-    rebuilt = model.__dict__["_fsdptx_tp_layouts"]["sync"]
-    assert rebuilt is not layout and [e.fqn for e in rebuilt.entries] == ["b.w"]
-    assert torch.equal(w.grad, torch.full((3,), 2.0))
 
 
-def _layout_of(model: nn.Module) -> Any:
-    return model.__dict__["_fsdptx_tp_layouts"]["sync"]
+def test_moving_a_parameter_to_a_sibling_invalidates_the_cache(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same object, same local name, next module in the walk: only the FQN
+    changes, and with it what the peers are told (the cache check delimits
+    modules)."""
+    cached, plain = _after_a_change_as_without_the_cache(_siblings, _move_w_to_b, mesh, monkeypatch)
+    assert _same_observed(cached, plain)
+    assert torch.equal(cached[0]["b.w"], torch.full((3,), 2.0))  # type: ignore[arg-type]
 
 
-def test_renaming_a_parameter_invalidates_the_cache(mesh: DeviceMesh) -> None:
-    model = _model()
-    synchronize_tp_replica_gradients(model, mesh)
-    layout = _layout_of(model)
+def _rename_b_weight(model: nn.Module) -> None:
     w = model.b.weight
     del model.b.weight
     model.b.renamed = w
-    w.grad = torch.ones_like(w) * 4
-    synchronize_tp_replica_gradients(model, mesh)
-    assert _layout_of(model) is not layout
-    assert [e.fqn for e in _layout_of(model).entries] == ["a.bias", "a.weight", "b.renamed"]
+
+
+def test_renaming_a_parameter_invalidates_the_cache(mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    cached, plain = _after_a_change_as_without_the_cache(_model, _rename_b_weight, mesh, monkeypatch)
+    assert _same_observed(cached, plain)
+    assert list(cached[0]) == ["a.weight", "a.bias", "b.renamed"]
 
 
 def test_an_empty_parameter_slot_traded_for_a_new_parameter_invalidates_the_cache(mesh: DeviceMesh) -> None:
@@ -256,16 +308,19 @@ def test_filling_an_empty_parameter_slot_invalidates_the_cache(mesh: DeviceMesh)
 
 
 def test_replacing_a_modules_parameter_dict_invalidates_the_cache(mesh: DeviceMesh) -> None:
+    """A change made in the new dict is seen: the parameter added there is
+    synchronized too."""
     model = _model()
     synchronize_tp_replica_gradients(model, mesh)
-    layout = _layout_of(model)
     model.b.__dict__["_parameters"] = dict(model.b._parameters)
     synchronize_tp_replica_gradients(model, mesh)
-    assert _layout_of(model) is not layout
-    model.b._parameters["extra"] = nn.Parameter(torch.zeros(5))  # a change in the new dict is seen
+    model.b._parameters["extra"] = nn.Parameter(torch.zeros(5))
     for p in model.parameters():
         p.grad = torch.ones_like(p) * 4
-    assert synchronize_tp_replica_gradients(model, mesh) == 4
+    with record_collectives() as calls:
+        assert synchronize_tp_replica_gradients(model, mesh) == 4
+    assert _float_payloads(calls) == [((6 + 2 + 4 + 5,), torch.float32)]
+    assert torch.equal(model.b.extra.grad, torch.full((5,), 2.0))
 
 
 @pytest.mark.parametrize(
@@ -277,25 +332,14 @@ def test_replacing_a_modules_parameter_dict_invalidates_the_cache(mesh: DeviceMe
     ],
     ids=["cast", "data_shape", "swap_tensors"],
 )
-def test_changing_a_parameter_in_place_invalidates_the_cache(mesh: DeviceMesh, change: Any) -> None:
-    """The same Parameter objects under the same names, but the digest the
-    peers compare must describe their dtype and shape now."""
-    model = _model()
-    synchronize_tp_replica_gradients(model, mesh)
-    layout = _layout_of(model)
-    change(model)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p) * 4
-    synchronize_tp_replica_gradients(model, mesh)
-    rebuilt = _layout_of(model)
-    assert rebuilt is not layout
-    fresh = _model()
-    change(fresh)
-    for p in fresh.parameters():
-        p.grad = torch.ones_like(p) * 4
-    synchronize_tp_replica_gradients(fresh, mesh)
-    assert rebuilt.descriptions == _layout_of(fresh).descriptions and rebuilt.digest == _layout_of(fresh).digest
-    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
+def test_changing_a_parameter_in_place_invalidates_the_cache(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch, change: Any
+) -> None:
+    """The same Parameter objects under the same names, but what the peers
+    are told must describe their dtype and shape now."""
+    cached, plain = _after_a_change_as_without_the_cache(_model, change, mesh, monkeypatch)
+    assert _same_observed(cached, plain)
+    assert all(torch.equal(g, torch.full_like(g, 2.0)) for g in cached[0].values())  # type: ignore[arg-type]
 
 
 def test_broadcast_after_a_cast_does_not_round_through_the_old_buffer(mesh: DeviceMesh) -> None:
@@ -312,8 +356,6 @@ def test_broadcast_after_a_cast_does_not_round_through_the_old_buffer(mesh: Devi
 def test_a_remembered_mesh_that_died_does_not_answer_for_no_mesh() -> None:
     """A dead weak reference reads as None, which is what ``device_mesh``
     is when there is nothing to synchronize."""
-    import gc
-
     from torch.distributed.device_mesh import init_device_mesh
 
     model = _model()
@@ -322,9 +364,10 @@ def test_a_remembered_mesh_that_died_does_not_answer_for_no_mesh() -> None:
         for _ in range(2):  # the first call makes the cache, the second remembers the context on it
             synchronize_tp_replica_gradients(model, m)
         group = m.get_group()  # kept alive, as torch.distributed's registry keeps a real one
+        mesh_ref = weakref.ref(m)
         del m
         gc.collect()
-        assert model.__dict__["_fsdptx_tp_layouts"].context.mesh() is None
+        assert mesh_ref() is None  # the model does not keep the mesh alive
         for p in model.parameters():
             p.grad = torch.ones_like(p) * 4
         with record_collectives() as calls:
@@ -358,44 +401,17 @@ def test_empty_model_parts_raise_before_any_collective(mesh: DeviceMesh, call: A
     assert calls == []
 
 
-def test_an_unchanged_model_keeps_its_cached_layout(mesh: DeviceMesh) -> None:
-    model = _model()
-    synchronize_tp_replica_gradients(model, mesh)
-    layout = _layout_of(model)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p) * 4
-    synchronize_tp_replica_gradients(model, mesh)
-    assert _layout_of(model) is layout
-
-
-def test_buffers_shape_the_broadcast_cache_but_not_the_sync_cache(mesh: DeviceMesh) -> None:
-    model = _model()
-    synchronize_tp_replica_gradients(model, mesh)
-    assert broadcast_tp_replicas(model, mesh) == 3
-    sync_layout = model.__dict__["_fsdptx_tp_layouts"]["sync"]
-    model.b.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
-    assert broadcast_tp_replicas(model, mesh) == 4
-    for p in model.parameters():
-        p.grad = torch.ones_like(p) * 4
-    synchronize_tp_replica_gradients(model, mesh)
-    assert model.__dict__["_fsdptx_tp_layouts"]["sync"] is sync_layout
-    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
-
-
 def test_the_remembered_tp_context_keeps_neither_mesh_nor_group_alive() -> None:
     """A process group kept alive by a model's cache past its destruction
     aborts the process at interpreter exit."""
-    import gc
-
     model = _model()
     with fake_mesh((2,), ("tp",)) as m:
         for _ in range(3):
             synchronize_tp_replica_gradients(model, m)
-        remembered = model.__dict__["_fsdptx_tp_layouts"].context
-        assert remembered.mesh() is m and remembered.group() is m.get_group()
+        mesh_ref, group_ref = weakref.ref(m), weakref.ref(m.get_group())
     del m
     gc.collect()
-    assert remembered.mesh() is None and remembered.group() is None
+    assert mesh_ref() is None and group_ref() is None
 
 
 # ------------------------------------------- where the agreement's values live
@@ -404,12 +420,13 @@ def test_the_remembered_tp_context_keeps_neither_mesh_nor_group_alive() -> None:
 @pytest.fixture
 def storages(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """(collective, storage address of its first tensor) for every
-    all-to-all (the agreement) and all-reduce (the data), in issue order.
+    all-to-all (the agreement) and all-reduce or broadcast (the data), in
+    issue order.
     The tensors are kept alive, so no later allocation can reuse an
     address and make two storages look like one."""
     seen: list[tuple[str, int]] = []
     kept: list[torch.Tensor] = []
-    for name in ("all_to_all_single", "all_reduce"):
+    for name in ("all_to_all_single", "all_reduce", "broadcast"):
         real = getattr(dist, name)
 
         def spy(tensor: torch.Tensor, *args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
@@ -419,11 +436,6 @@ def storages(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
 
         monkeypatch.setattr(dist, name, spy)
     return seen
-
-
-def _buffer_address(model: nn.Module, op: str = "sync") -> int:
-    schedule = model.__dict__["_fsdptx_tp_layouts"][op].schedule
-    return int(schedule.storages[torch.device("cpu")].data_ptr())
 
 
 def _linear_with_grads(size: int) -> nn.Module:
@@ -442,18 +454,19 @@ def test_the_call_that_makes_the_buffer_agrees_in_its_head(
     ``max_bytes``."""
     model = _linear_with_grads(8)  # 72 fp32 elements: more than the agreement's 2 * 2 * 4 int64
     synchronize_tp_replica_gradients(model, mesh)
-    buffer = _buffer_address(model)
-    assert storages == [("all_to_all_single", buffer), ("all_reduce", buffer)]
+    (agreement_op, agreement), (data_op, data) = storages
+    assert (agreement_op, data_op) == ("all_to_all_single", "all_reduce") and agreement == data
 
 
 def test_a_repeated_call_agrees_in_a_tensor_of_its_own(mesh: DeviceMesh, storages: list[tuple[str, int]]) -> None:
     """Its pack writes the buffer while the agreement is in flight."""
     model = _linear_with_grads(8)
     synchronize_tp_replica_gradients(model, mesh)
+    (_, buffer), _ = storages
     del storages[:]
     synchronize_tp_replica_gradients(model, mesh)
     (_, agreement), (_, data) = storages
-    assert data == _buffer_address(model) != agreement
+    assert data == buffer != agreement  # the first call's buffer, kept
 
 
 def test_a_buffer_smaller_than_the_agreement_is_made_after_it(
@@ -462,8 +475,11 @@ def test_a_buffer_smaller_than_the_agreement_is_made_after_it(
     model = _linear_with_grads(2)  # 6 fp32 elements and the divisor: 28 bytes
     synchronize_tp_replica_gradients(model, mesh)
     (_, agreement), (_, data) = storages
-    assert data == _buffer_address(model) != agreement
-    assert torch.equal(model.weight.grad, torch.full((2, 2), 0.5))
+    assert data != agreement
+    del storages[:]
+    synchronize_tp_replica_gradients(model, mesh)
+    assert storages[1][1] == data  # the buffer, kept for the next call
+    assert torch.equal(model.weight.grad, torch.full((2, 2), 0.25))
 
 
 def test_broadcast_agrees_in_the_head_of_the_buffer_it_makes(
@@ -471,7 +487,41 @@ def test_broadcast_agrees_in_the_head_of_the_buffer_it_makes(
 ) -> None:
     model = _linear_with_grads(8)
     broadcast_tp_replicas(model, mesh)
-    assert storages == [("all_to_all_single", _buffer_address(model, "broadcast"))]
+    assert [op for op, _ in storages] == ["all_to_all_single", "broadcast"]
+    (_, agreement), (_, data) = storages
+    assert agreement == data
+
+
+def test_an_unchanged_model_keeps_its_cached_layout(mesh: DeviceMesh, storages: list[tuple[str, int]]) -> None:
+    """The second call reduces in the buffer the first call's layout made:
+    a rebuilt layout makes a new one (the old one is kept alive here, so
+    its address cannot come back)."""
+    model = _linear_with_grads(8)
+    synchronize_tp_replica_gradients(model, mesh)
+    (_, buffer), _ = storages
+    del storages[:]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    synchronize_tp_replica_gradients(model, mesh)
+    assert storages[1] == ("all_reduce", buffer)
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
+
+
+def test_buffers_shape_the_broadcast_cache_but_not_the_sync_cache(
+    mesh: DeviceMesh, storages: list[tuple[str, int]]
+) -> None:
+    model = _linear_with_grads(8)
+    synchronize_tp_replica_gradients(model, mesh)
+    (_, buffer), _ = storages
+    assert broadcast_tp_replicas(model, mesh) == 2
+    model.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+    assert broadcast_tp_replicas(model, mesh) == 3
+    del storages[:]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 4
+    synchronize_tp_replica_gradients(model, mesh)
+    assert storages[1] == ("all_reduce", buffer)  # the sync's layout was kept
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
 
 
 @pytest.mark.parametrize("change", ["none", "sparse", "dtype", "shape", "type"])
@@ -481,8 +531,9 @@ def test_fast_gradient_check_agrees_with_the_per_entry_loop(mesh: DeviceMesh, ch
     from fsdptx.tp.sync import _agreement, _layout, _ops
 
     model = _model()
-    synchronize_tp_replica_gradients(model, mesh)
-    layout = model.__dict__["_fsdptx_tp_layouts"]["sync"]
+    ctx = _layout._tp_context(mesh, "tp", None)
+    assert ctx is not None
+    layout = _layout._derive_layout([model], ctx, 1 << 20, "sync", False, (), True)  # the plain function
     grads = {"none": torch.ones(2, 2), "sparse": torch.ones(2, 2).to_sparse(),
              "dtype": torch.ones(2, 2, dtype=torch.float64), "shape": torch.ones(4),
              "type": nn.Parameter(torch.ones(2, 2))}
@@ -490,7 +541,7 @@ def test_fast_gradient_check_agrees_with_the_per_entry_loop(mesh: DeviceMesh, ch
         model.b.weight.data = torch.zeros_like(grads[change])
     model.b.weight.grad = grads[change]
     fast = _ops._common_grads(layout)
-    states, got, deviations, sparse = _ops._grad_states(layout, _layout._tp_context(mesh, "tp", None))
+    states, got, deviations, sparse = _ops._grad_states(layout, ctx)
     if fast is not None:
         assert change == "none"
         assert all(a is b for a, b in zip(fast, got)) and not deviations and not sparse

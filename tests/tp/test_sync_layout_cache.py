@@ -97,14 +97,20 @@ def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
 def test_every_operation_gives_the_same_result_with_the_layout_cache_on_and_off(
     model: nn.Module, changes: list[tuple[str, int]]
 ) -> None:
-    cached, plain = model, copy.deepcopy(model)
+    cached, plain, untouched = model, copy.deepcopy(model), copy.deepcopy(model)
     with fake_mesh((2, 2), ("dp", "tp")) as mesh:
         for step, (change, index) in enumerate([("nothing", 0), *changes]):
             CHANGES[change](cached, index)
             CHANGES[change](plain, index)
+            CHANGES[change](untouched, index)  # changed alike, never synchronized
             with_cache = _observe(cached, mesh, step)
             with fsdptx.caches(enabled=False):
                 without = _observe(plain, mesh, step)
             assert _same(with_cache, without), f"after {change} {index}"
-    assert "_fsdptx_tp_layouts" not in plain.__dict__, "the plain path stored a cache on the model"
+    assert _attributes(plain) == _attributes(untouched), "the plain path stored something on the model"
+
+
+def _attributes(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """Each module's instance attribute names: what a cache kept on the model would add to."""
+    return [(f, sorted(vars(m))) for f, m in model.named_modules()]
 
