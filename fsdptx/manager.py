@@ -29,6 +29,13 @@ from .core._args import require_module
 from .core._names import name_tokens
 from .core._meshes import ParallelDims, ep_size, moe_dp_dims, parallel_dims, tp_mesh
 from .core._policy import check_policy_dtypes
+from .core._torch_internals import (
+    enable_symmetric_memory,
+    fsdp_param_groups,
+    fsdp_state,
+    micro_pipeline_tp,
+    set_micro_pipeline_tp,
+)
 from .hf._patches import patch_is_packed_sequence
 from .plan._types import Plan
 from .model._index import ModelIndex, discover_blocks, resolve_blocks
@@ -506,10 +513,8 @@ class FSDP2Manager:
         graphs compiled later in the process (another model, evaluation)
         are not built for async TP. Symmetric memory, once enabled for the
         TP group, stays enabled (torch has no way to turn it off)."""
-        import torch._inductor.config as inductor_config
-
         while self._inductor_micro_pipeline_tp:
-            inductor_config._micro_pipeline_tp = self._inductor_micro_pipeline_tp.pop()
+            set_micro_pipeline_tp(self._inductor_micro_pipeline_tp.pop())
 
     def gradient_sync_context(self, model: nn.Module, is_optimizer_step: bool) -> contextlib.AbstractContextManager[None]:
         """:func:`gradient_sync_context` with ``defer=config.defer_fsdp_grad_sync``."""
@@ -518,19 +523,15 @@ class FSDP2Manager:
 
 def _enable_async_tp(mesh: DeviceMesh) -> bool:
     """Turn on inductor's micro-pipelined TP; returns the value it replaced."""
-    import torch._inductor.config as inductor_config
-
-    previous: bool = inductor_config._micro_pipeline_tp
+    previous = micro_pipeline_tp()
     group = tp_mesh(mesh)
-    inductor_config._micro_pipeline_tp = True
+    set_micro_pipeline_tp(True)
     if group is None:
         return previous
     try:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
         if mesh.device_type != "cuda":
             raise RuntimeError(f"symmetric memory needs CUDA, the mesh is on {mesh.device_type}")
-        enable_symm_mem_for_group(group.get_group().group_name)
+        enable_symmetric_memory(group.get_group().group_name)
     except (ImportError, RuntimeError) as e:
         logger.warning("async tensor parallel: symmetric memory not enabled for the TP group (%s)", e)
     return previous
@@ -601,7 +602,7 @@ def _fsdp_param_groups(model: nn.Module) -> list[Any]:
     groups: list[Any] = []
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            for g in m._get_fsdp_state()._fsdp_param_groups:
+            for g in fsdp_param_groups(fsdp_state(m)):
                 if id(g) not in seen:
                     seen.add(id(g))
                     groups.append(g)

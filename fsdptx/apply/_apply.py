@@ -16,12 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.distributed._composable import checkpoint as composable_checkpoint  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 
 from ..core._args import require_module
+from ..core._torch_internals import composable_checkpoint
 from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions
 from ..core._meshes import ep_size, tp_mesh
 from ..model._index import ModelIndex

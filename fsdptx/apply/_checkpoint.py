@@ -9,9 +9,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
-from torch.distributed._composable.contract import _get_registry
-from torch.utils.checkpoint import CheckpointPolicy, _CachedTorchDispatchMode, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ..core._torch_internals import CachedTorchDispatchMode, composable_registry
 from ..model._index import ModelIndex
 
 __all__ = [
@@ -63,7 +63,7 @@ def turn_kv_cache_off_warning(model: nn.Module, index: ModelIndex | None) -> Non
 def is_checkpointed(module: nn.Module) -> bool:
     """Composable ``checkpoint`` registers itself on the module; the wrapper
     API puts the block inside a ``_checkpoint_wrapped_module``."""
-    return "checkpoint" in (_get_registry(module) or {}) or "_checkpoint_wrapped_module" in module._modules
+    return "checkpoint" in (composable_registry(module) or {}) or "_checkpoint_wrapped_module" in module._modules
 
 
 # Ops whose outputs selective checkpointing keeps: the costly ones
@@ -86,7 +86,7 @@ def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) 
     return CheckpointPolicy.MUST_SAVE if str(op) in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _RecomputeMode(_CachedTorchDispatchMode):
+class _RecomputeMode(CachedTorchDispatchMode):
     """Selective checkpointing's replay, letting profiler ops through.
 
     Composable ``checkpoint`` sits on the module FSDP shards, and FSDP's

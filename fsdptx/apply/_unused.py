@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 
 from ..core._args import require_module
+from ..core._torch_internals import fsdp_param_groups, fsdp_state, unsharded_param
 
 __all__ = ["configure_fsdp_unused_param_reduction", "configure_units_of"]
 
@@ -58,12 +59,12 @@ def configure_units_of(modules: Iterable[nn.Module]) -> int:
     for m in modules:
         if not isinstance(m, FSDPModule):
             continue
-        state = fully_shard.state(m)  # type: ignore[attr-defined]
+        state = fsdp_state(m)
         if id(state) in seen:
             continue  # a multi-module unit shares one state
         seen.add(id(state))
         m.set_reduce_scatter_unused_params(True, recurse=False)
-        for group in state._fsdp_param_groups:
+        for group in fsdp_param_groups(state):
             _align_reduce_dtypes_before_post_backward(group)
     return len(seen)
 
@@ -99,13 +100,12 @@ def _align_reduce_dtypes(group: Any) -> None:
     torch does for accumulated grads, makes the unit uniform; the values are
     the same (a cast of the grad, or zeros), so the reduction is unchanged.
     """
-    params = [fp for fp in group.fsdp_params if hasattr(fp, "_unsharded_param")]
-    if not any(fp.unsharded_accumulated_grad is not None for fp in params):
+    params = [(fp, p) for fp in group.fsdp_params if (p := unsharded_param(fp)) is not None]
+    if not any(fp.unsharded_accumulated_grad is not None for fp, _ in params):
         return
-    for fp in params:
+    for fp, param in params:
         if fp.unsharded_accumulated_grad is not None or fp.reduce_dtype is None:
             continue
-        param = fp._unsharded_param
         if param.grad is not None:
             fp.unsharded_accumulated_grad = param.grad.to(fp.reduce_dtype)
             param.grad = None

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..core._meshes import KNOWN_DIMS, ParallelDims
 from ..core._names import collapse_keyed, join_names
+from ..core._torch_internals import StridedShard, local_tensor
 from ..plan._types import Plan
 from ._report import ParamShard, local_shape
 
@@ -68,7 +68,7 @@ def _tp_dim(p: torch.Tensor) -> int | None:
     if not isinstance(p, DTensor):
         return None
     for name, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):
-        if name == "tp" and isinstance(placement, (Shard, _StridedShard)):
+        if name == "tp" and isinstance(placement, (Shard, StridedShard)):
             return placement.dim
     return None
 
@@ -93,7 +93,7 @@ def param_shards(
     for fqn, param in sorted(by_id.values(), key=lambda item: item[0]):
         tp_dim = _tp_dim(param)
         if fsdp_applied:
-            local: torch.Tensor = param._local_tensor if isinstance(param, DTensor) else param
+            local: torch.Tensor = local_tensor(param) if isinstance(param, DTensor) else param
             local_numel = local.numel()
         else:
             shards = dims.dp_shard if fqn in owned else 1

@@ -17,7 +17,7 @@ Two things make the tracker count what a GPU would hold:
 - DTensor computes output shapes by running the op on fake tensors of the
   *active* fake mode; the tracker would count those as allocations. During
   the trace DTensor's propagation gets a fake mode of its own
-  (:func:`_own_propagation_fake_mode`), which the tracker skips.
+  (``own_propagation_fake_mode`` in :mod:`fsdptx.core._torch_internals`), which the tracker skips.
 - AdamW creates its state lazily in the first ``step()``. A steady-state
   step has it from the start, so the state is created (and gradients
   dropped) before the traced step begins.
@@ -25,20 +25,26 @@ Two things make the tracker count what a GPU would hold:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..apply._checkpoint import turn_kv_cache_off
+from ..core._torch_internals import (
+    FakeTensorMode,
+    FSDPMemTracker,
+    fast_fake_mode_lookup,
+    local_tensor,
+    op_name,
+    own_propagation_fake_mode,
+    tree_leaves,
+)
 from ._report import OPTIMIZER_STATES, ParamShard
 
 __all__ = ["Collective", "MemoryEstimate", "Sample", "estimate_memory", "trace_step"]
@@ -182,38 +188,6 @@ def collective_bytes(collectives: Sequence[Collective]) -> dict[str, int]:
 # --------------------------------------------------------------------------- the tracer
 
 
-@contextlib.contextmanager
-def _fast_fake_mode_lookup() -> Iterator[None]:
-    """The tracker asks for the active fake mode after every operator, by
-    walking the whole mode stack (a tenth of a deep model's trace); the
-    dispatcher keeps the active fake mode in a slot of its own."""
-    from torch.distributed._tools import fsdp2_mem_tracker
-
-    saved = fsdp2_mem_tracker.active_fake_mode  # type: ignore[attr-defined]
-    key = torch._C._TorchDispatchModeKey.FAKE
-    fsdp2_mem_tracker.active_fake_mode = lambda: torch._C._get_dispatch_mode(key)  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        fsdp2_mem_tracker.active_fake_mode = saved  # type: ignore[attr-defined]
-
-
-@contextlib.contextmanager
-def _own_propagation_fake_mode() -> Iterator[None]:
-    """DTensor's sharding propagation runs under ``detect_fake_mode() or
-    FakeTensorMode()``; under our fake mode it would reuse it and the tracker
-    would count its shape-only tensors. Hand it a fake mode of its own."""
-    from torch.distributed.tensor import _sharding_prop
-
-    own = FakeTensorMode(allow_non_fake_inputs=True)
-    saved = _sharding_prop.detect_fake_mode  # type: ignore[attr-defined]
-    _sharding_prop.detect_fake_mode = lambda *args: own  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        _sharding_prop.detect_fake_mode = saved  # type: ignore[attr-defined]
-
-
 class _StepTracker(FSDPMemTracker):
     """``FSDPMemTracker`` that also keeps a sample per operator and every collective."""
 
@@ -256,18 +230,18 @@ class _StepTracker(FSDPMemTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
-        op = _COLLECTIVES.get(func._overloadpacket.__name__) if out is not NotImplemented else None
+        op = _COLLECTIVES.get(op_name(func)) if out is not NotImplemented else None
         if op is not None:
             self._record_collective(func, op, args)
         return out
 
     def _record_collective(self, func: Any, op: str, args: Any) -> None:
-        name = func._overloadpacket.__name__
+        name = op_name(func)
         if name in ("_allgather_base_", "_reduce_scatter_base_"):
             source, tensor = "fsdp", args[0] if name == "_allgather_base_" else args[1]
             nbytes = tensor.numel() * tensor.element_size()
         else:
-            tensors = [t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+            tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             if op == "all_gather":  # the output is group-size times the input
                 group = next((a for a in args if isinstance(a, int)), 1)
@@ -351,7 +325,7 @@ def _tp_replica_sync(tracker: _StepTracker, model: nn.Module, mesh: DeviceMesh) 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor itself otherwise)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def trace_step(
@@ -383,7 +357,7 @@ def trace_step(
             "(a mesh with a data-parallel axis and a plan with units)"
         )
     vocab = _vocab_input(model)
-    with FakeTensorMode(allow_non_fake_inputs=True), _own_propagation_fake_mode(), _fast_fake_mode_lookup():
+    with FakeTensorMode(allow_non_fake_inputs=True), own_propagation_fake_mode(), fast_fake_mode_lookup():
         model.to_empty(device="cpu")
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]

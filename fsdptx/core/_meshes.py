@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._torch_internals import flatten_mesh, unflatten_mesh
+
 __all__ = [
     "EP_DIM",
     "KNOWN_DIMS",
@@ -136,9 +138,9 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return unit_dp_mesh(mesh)
     if not shard:
         sub = mesh if names == replicate else mesh["dp_replicate"]
-        return sub._unflatten(0, (sub.size(), 1), ("dp_replicate", _REPLICATE_ONLY_SHARD))
+        return unflatten_mesh(sub, 0, (sub.size(), 1), ("dp_replicate", _REPLICATE_ONLY_SHARD))
     if len(shard) > 1:
-        flat = mesh[shard]._flatten(_FLAT_SHARD)
+        flat = flatten_mesh(mesh[shard], _FLAT_SHARD)
         if not replicate:
             return flat  # kept as returned: torch deprecates slicing a flattened dim from the root
         shard = (_FLAT_SHARD,)
@@ -156,7 +158,7 @@ def unit_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     rank derives it alike, as it must: deriving a mesh may set up its
     groups collectively."""
     names = mesh.mesh_dim_names or ("dp",)
-    return mesh._unflatten(0, (1, mesh.shape[0]), ("dp_shard", names[0]))["dp_shard"]
+    return unflatten_mesh(mesh, 0, (1, mesh.shape[0]), ("dp_shard", names[0]))["dp_shard"]
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
@@ -201,11 +203,11 @@ def moe_fsdp_mesh(moe_mesh: DeviceMesh, device_mesh: DeviceMesh) -> DeviceMesh:
     shard = tuple(n for n in dims if n not in _MOE_REPLICATE_DIMS)
     if not replicate:
         sub = moe_mesh if shard == names else moe_mesh[shard if len(shard) > 1 else shard[0]]
-        return sub if len(shard) == 1 else sub._flatten(_MOE_FLAT_SHARD)
+        return sub if len(shard) == 1 else flatten_mesh(sub, _MOE_FLAT_SHARD)
     rep = replicate[0] if len(replicate) == 1 else _MOE_FLAT_REPLICATE
     if not shard:
-        sub = moe_mesh[replicate[0]] if len(replicate) == 1 else moe_mesh[replicate]._flatten(rep)
-        return sub._unflatten(0, (sub.size(), 1), (rep, _REPLICATE_ONLY_SHARD))
+        sub = moe_mesh[replicate[0]] if len(replicate) == 1 else flatten_mesh(moe_mesh[replicate], rep)
+        return unflatten_mesh(sub, 0, (sub.size(), 1), (rep, _REPLICATE_ONLY_SHARD))
     sub = moe_mesh[replicate + shard]
     if len(replicate) == 1 and len(shard) == 1:
         return sub
@@ -214,7 +216,7 @@ def moe_fsdp_mesh(moe_mesh: DeviceMesh, device_mesh: DeviceMesh) -> DeviceMesh:
     sizes = dict(zip(names, moe_mesh.shape))
     shape = (math.prod(sizes[n] for n in replicate), math.prod(sizes[n] for n in shard))
     shd = shard[0] if len(shard) == 1 else _MOE_FLAT_SHARD
-    return sub._flatten("moe_dp")._unflatten(0, shape, (rep, shd))
+    return unflatten_mesh(flatten_mesh(sub, "moe_dp"), 0, shape, (rep, shd))
 
 
 def ep_size(moe_mesh: DeviceMesh | None) -> int:

@@ -18,6 +18,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..core._torch_internals import unflatten_mesh
+
 __all__ = ["hf_dispatches_experts", "install_hf_expert_dispatch"]
 
 _EP_MODULE = "transformers.distributed.expert_parallel"
@@ -58,7 +60,7 @@ def install_hf_expert_dispatch(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     style = _dispatch_style()
     if style is None:
         raise RuntimeError(f"{_EP_MODULE} has no EpDispatchExpertsParallel; upgrade transformers")
-    alone = ep_mesh._unflatten(0, (ep_mesh.size(), 1), ("ep_groups", "ep_own_batch"))["ep_own_batch"]
+    alone = unflatten_mesh(ep_mesh, 0, (ep_mesh.size(), 1), ("ep_groups", "ep_own_batch"))["ep_own_batch"]
     total: int = getattr(module, "num_experts")
     setattr(module, "num_experts", total // ep_mesh.size())
     style().install_forward(module, ep_mesh, tp_mesh=alone)

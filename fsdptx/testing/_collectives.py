@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from ..core._torch_internals import TorchDispatchMode, op_schema_name, resolve_process_group, tree_flatten
 
 __all__ = ["Collective", "record_collectives"]
 
@@ -57,7 +57,7 @@ def _group_ranks(args: list[Any]) -> tuple[int, ...]:
             return tuple(dist.get_process_group_ranks(pg))
         if isinstance(a, str):  # functional collectives name their group
             try:
-                pg = dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type,attr-defined]
+                pg = resolve_process_group(a)
             except RuntimeError:
                 continue  # a reduce-op name such as "sum"
             return tuple(dist.get_process_group_ranks(pg))
@@ -78,7 +78,7 @@ class _Recorder(TorchDispatchMode):
                 tensors = [t for t in flat if isinstance(t, torch.Tensor)]
                 self.out.append(
                     Collective(
-                        op=func._schema.name.split("::")[-1],
+                        op=op_schema_name(func).split("::")[-1],
                         group=group,
                         shapes=tuple(tuple(t.shape) for t in tensors),
                         dtypes=tuple(t.dtype for t in tensors),

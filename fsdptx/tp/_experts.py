@@ -39,12 +39,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..core._torch_internals import StridedShard, functional_all_reduce
 
 __all__ = ["EXPERTS_STYLE", "EXPERT_PARAM_STYLES", "ExpertsParallel", "expert_placement", "expert_split_dim"]
 
@@ -61,7 +61,7 @@ def expert_placement(style: str) -> Placement:
     """The TP placement of a 3-D expert weight under ``style`` (one of
     :data:`EXPERT_PARAM_STYLES`)."""
     if style == "packed_colwise":
-        return _StridedShard(1, split_factor=2)
+        return StridedShard(1, split_factor=2)
     return Shard(1) if style == "colwise" else Shard(2)
 
 
@@ -73,21 +73,13 @@ def expert_split_dim(style: str, shape: tuple[int, ...]) -> tuple[int, str]:
     return (shape[1], "dim 1 (out)") if style == "colwise" else (shape[2], "dim 2 (in)")
 
 
-def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The sum of ``t`` over ``group``, out of place. A functional
-    collective, as DTensor's own, so tools that tell TP traffic from FSDP's
-    (the memory plan's trace) count it as TP."""
-    out = funcol.all_reduce(t.contiguous(), "sum", group)
-    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
-
-
 class _SumForward(torch.autograd.Function):
     """All-reduce (sum) in forward; the gradient passes through: each rank's
     output is a partial sum, the sum's gradient is the same on every rank."""
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return _all_reduce(t, group)
+        return functional_all_reduce(t, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -106,7 +98,7 @@ class _SumBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
+        return functional_all_reduce(grad, ctx.group), None
 
 
 def _sum_grad(t: Any, group: dist.ProcessGroup) -> Any:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from ...core._caches import caches_enabled
+from ...core._torch_internals import local_tensor
 from .._marks import is_excluded_from_tp_replica_sync, marks_generation, module_reductions
 from ...plan._types import Reduction
 from ...core._tree import rank_stable_unique
@@ -117,9 +118,6 @@ _PLACEMENTS = operator.attrgetter("placements")
 _MESH = operator.attrgetter("device_mesh")
 
 
-_LOCAL_TENSOR = operator.attrgetter("_local_tensor")
-
-
 _PARAMETERS = operator.attrgetter("_parameters")
 
 
@@ -179,7 +177,7 @@ class _Structure:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """Rank-local storage of a tensor or DTensor (writes reach the original)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def _describe_tensor(t: torch.Tensor) -> str:
@@ -261,7 +259,7 @@ class _Layout:
         if not all(map(operator.is_, map(_MESH, dt), self.dtensor_meshes)):
             return None
         local = tensors[:]
-        for i, t in zip(self.dtensors, map(_LOCAL_TENSOR, dt)):
+        for i, t in zip(self.dtensors, map(local_tensor, dt)):
             local[i] = t
         return local
 

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from ...core._chunks import DEFAULT_MAX_BUFFER_BYTES
 from ...core._dtypes import gradient_reduce_dtype
+from ...core._torch_internals import local_tensor
 from ._context import ModelParts, _TPContext, _check_arguments
 from ._layout import _DTYPE, _Layout, _SHAPE, _context_cache, _describe_tensor, _layout, _local, _tp_context
 from ._schedule import _execute, _schedule
@@ -251,9 +252,9 @@ def _grad_states(
         if placements is None:
             # A DTensor gradient on a plain parameter travels through its
             # local storage like any other, described as a deviation.
-            local, same = (g._local_tensor, False) if isinstance(g, DTensor) else (g, True)
+            local, same = (local_tensor(g), False) if isinstance(g, DTensor) else (g, True)
         elif isinstance(g, DTensor):
-            local = g._local_tensor
+            local = local_tensor(g)
             same = g.placements == placements and g.device_mesh is p.device_mesh  # type: ignore[attr-defined]
         else:
             local, same = g, False

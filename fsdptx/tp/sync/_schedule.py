@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 import torch
 from ...core._chunks import gradient_chunks
+from ...core._torch_internals import foreach_copy_
 
 __all__ = []
 
@@ -206,7 +207,7 @@ def _execute(
                                 found = staged[i] = t.contiguous()
                             t = found
                         sources.append(t.view(-1)[start:stop])
-                torch._foreach_copy_(chunk.views, sources)
+                foreach_copy_(chunk.views, sources)
                 if finish is not None:
                     done, finish = finish, None
                     done()
@@ -216,7 +217,7 @@ def _execute(
                         chunk.mean.mul_(group.divisor)  # type: ignore[arg-type]
                     else:
                         chunk.mean.div_(group.divisor)  # type: ignore[arg-type]
-                torch._foreach_copy_(sources, chunk.views)
+                foreach_copy_(sources, chunk.views)
         for i, work in staged.items():
             tensors[i].copy_(work)
     finally:
