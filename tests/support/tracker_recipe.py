@@ -21,7 +21,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-from fsdptx.cli._memory import _own_propagation_fake_mode
+from fsdptx.core._torch_internals import own_propagation_fake_mode
 from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import build_preset
 from fsdptx.testing import fake_mesh
@@ -47,7 +47,7 @@ def tracker_reference(
         model = build_preset("llama", layers)
     with fake_mesh(shape, names) as mesh:
         FSDP2Manager(config, mesh).parallelize(model)
-        with FakeTensorMode(allow_non_fake_inputs=True), _own_propagation_fake_mode():
+        with FakeTensorMode(allow_non_fake_inputs=True), own_propagation_fake_mode():
             model.to_empty(device="cpu")
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
             tokens = torch.randint(0, 32000, (1, seq))
