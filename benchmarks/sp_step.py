@@ -2,7 +2,7 @@
 
 Run::
 
-    PYTHONPATH=.:tests/support python benchmarks/sp_step.py [--rounds 3] [--steps 10]
+    PYTHONPATH=.:tests/support python benchmarks/sp_step.py [--rounds 3] [--steps 10] [--models titan decoder mixtral qwen3_moe]
 
 4 gloo ranks on CPU, a (dp=2, tp=2) mesh, sequence parallelism, fp32. Two
 Llama-shaped models at torchtitan's debug size (dim 256, 4 layers, seq 64,
@@ -11,7 +11,13 @@ batch 2 per data-parallel rank):
 - ``titan``: laid out like torchtitan's Llama 3 (blocks in a ModuleDict),
   given to fsdptx as the explicit plan torchtitan writes (``tp_plan=``);
 - ``decoder``: fsdptx's ``llama``-shaped preset with its Hugging Face style
-  plan, the sequence-parallel layout derived by fsdptx.
+  plan, the sequence-parallel layout derived by fsdptx;
+- ``mixtral``, ``qwen3_moe``: Hugging Face MoE models built from their
+  configs at the same width (8 experts of width 256, top-2, 4 layers) with
+  their declared plans; the baseline is torchtitan's MoE pattern by hand
+  (the MoE block gathers its input and reduce-scatters the experts'
+  ``Partial`` sum, experts split inside, Qwen3's q/k norms
+  ``SequenceParallel(sequence_dim=2)``).
 
 Each is trained by ``FSDP2Manager`` and, as the baseline, parallelized by
 hand in torchtitan's pattern (``tests/support/titan_pattern.py``: ``parallelize_module``
@@ -41,6 +47,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptx
 from fsdptx.core._sizes import format_bytes
+from fsdptx.hf import build_hf_model
 from fsdptx.presets import Decoder, DecoderConfig, Titan, TitanConfig
 from fsdptx.testing import record_collectives, run_distributed
 
@@ -48,12 +55,32 @@ from titan_pattern import explicit_plan, parallelize_by_hand  # tests/support on
 
 BATCH, SEQ, VOCAB = 2, 64, 2048
 TP_GROUPS = ((0, 1), (2, 3))
+MODELS = ("titan", "decoder", "mixtral", "qwen3_moe")
+# titan_pattern's layout for each Hugging Face model
+BY_HAND = {"mixtral": "hf_mixtral", "qwen3_moe": "hf_qwen3_moe"}
+_HF = dict(
+    vocab_size=VOCAB,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=16,
+    max_position_embeddings=SEQ,
+    num_experts_per_tok=2,
+)
+_HF_OVERRIDES: dict[str, dict[str, Any]] = {
+    "mixtral": {**_HF, "intermediate_size": 256, "num_local_experts": 8},
+    "qwen3_moe": {**_HF, "moe_intermediate_size": 256, "num_experts": 8},
+}
 
 
 def build(model: str) -> nn.Module:
     torch.manual_seed(0)
     if model == "titan":
         return Titan(TitanConfig(vocab=VOCAB, dim=256, n_heads=16, n_kv_heads=8, hidden=768, layers=4, max_seq_len=SEQ))
+    if model in _HF_OVERRIDES:
+        built: nn.Module = build_hf_model(model, _HF_OVERRIDES[model], dtype=torch.float32, device="cpu")
+        return built
     return Decoder(DecoderConfig(vocab=VOCAB, dim=256, hidden=768, layers=4))
 
 
@@ -62,7 +89,7 @@ def _worker(rank: int, world_size: int, model_name: str, method: str, steps: int
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = build(model_name)
     if method == "torchtitan":
-        parallelize_by_hand(model, model_name, mesh)
+        parallelize_by_hand(model, BY_HAND.get(model_name, model_name), mesh)
     else:
         plan = explicit_plan("titan") if model_name == "titan" else None
         config = fsdptx.FSDP2Config(sequence_parallel=True, mp_policy=None, tp_plan=plan)
@@ -73,7 +100,8 @@ def _worker(rank: int, world_size: int, model_name: str, method: str, steps: int
 
     def step() -> None:
         opt.zero_grad()
-        logits = model(tokens[:, :-1])
+        out = model(tokens[:, :-1])
+        logits = getattr(out, "logits", out)  # Hugging Face models return an output object
         F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
         if method == "fsdptx":  # the step fsdptx documents; "fsdptx_no_sync" isolates the parallelization
             fsdptx.synchronize_tp_replica_gradients([model], mesh)
@@ -110,8 +138,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     args = parser.parse_args()
-    for model_name in ("titan", "decoder"):
+    for model_name in args.models:
         ratios: list[float] = []
         bare: list[float] = []
         rss: list[float] = []
