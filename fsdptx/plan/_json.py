@@ -18,6 +18,7 @@ key; every other JSON object is a mapping, every JSON list a tuple.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import sys
@@ -277,7 +278,10 @@ def _rebuild_style(data: Mapping[str, Any]) -> ParallelStyle:
             use_local_output=attrs["use_local_output"],
         ),
     }
-    build = builders.get(cls.__name__, cls) if cls in _TORCH_STYLES.values() else cls  # fsdptx's own: no arguments
+    if cls in _TORCH_STYLES.values():
+        build = builders.get(cls.__name__, cls)
+    else:  # fsdptx's own styles take their attributes as keyword arguments
+        build = functools.partial(cls, **attrs)
     try:
         style = build()
     except (KeyError, TypeError, ValueError, AttributeError):

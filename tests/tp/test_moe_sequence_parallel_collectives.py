@@ -172,3 +172,20 @@ def test_such_a_block_runs_under_an_explicit_whole_sequence_entry() -> None:
         manager.parallelize(model)
         logits = model(input_ids=_tokens()).logits
         assert logits.shape == (BATCH, SEQ, hf_zoo.VOCAB)
+
+
+def test_a_moe_plan_read_back_from_json_rebuilds_its_styles_and_applies_with_the_same_collectives() -> None:
+    """fsdptx's own styles take arguments (the experts' parameter styles,
+    the block's experts): a plan file keeps them, so a reviewed plan can be
+    applied as it was saved."""
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        config = fsdptx.FSDP2Config(sequence_parallel=True, mp_policy=None)
+        model = _build("mixtral")
+        back = fsdptx.plan_from_json(fsdptx.plan_to_json(fsdptx.FSDP2Manager(config, mesh).plan(model)))
+        styles = _tp_styles(back)
+        assert type(styles["model.layers.0.mlp"]).__name__ == "ExpertsSequence"
+        assert isinstance(styles["model.layers.0.mlp.experts"], ExpertsParallel)
+        assert styles["model.layers.0.mlp.experts"].partial_output
+        fsdptx.apply_plan(back, model, mesh)
+        loaded = _tally(_step(model))
+    assert loaded == _measure("mixtral")["ours"]
