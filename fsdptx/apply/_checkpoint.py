@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..core._torch_internals import CachedTorchDispatchMode, composable_registry
+from ..core._torch_internals import CHECKPOINT_WRAPPED, CachedTorchDispatchMode, composable_registry
 from ..model._index import ModelIndex
 
 __all__ = [
@@ -63,7 +63,7 @@ def turn_kv_cache_off_warning(model: nn.Module, index: ModelIndex | None) -> Non
 def is_checkpointed(module: nn.Module) -> bool:
     """Composable ``checkpoint`` registers itself on the module; the wrapper
     API puts the block inside a ``_checkpoint_wrapped_module``."""
-    return "checkpoint" in (composable_registry(module) or {}) or "_checkpoint_wrapped_module" in module._modules
+    return "checkpoint" in (composable_registry(module) or {}) or CHECKPOINT_WRAPPED in module._modules
 
 
 # Ops whose outputs selective checkpointing keeps: the costly ones

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from ..apply._checkpoint import turn_kv_cache_off
 from ..core._torch_internals import (
+    CHECKPOINT_WRAPPED,
     FakeTensorMode,
     FSDPMemTracker,
     fast_fake_mode_lookup,
@@ -206,7 +207,7 @@ class _StepTracker(FSDPMemTracker):
         if self._in_opt or self.stage:
             return self.stage or "optimizer", ""
         phase = "backward" if self._mod_tracker.is_bw else "forward"
-        names = [n.replace("._checkpoint_wrapped_module", "") for n in self._mod_tracker.parents]
+        names = [n.replace(f".{CHECKPOINT_WRAPPED}", "") for n in self._mod_tracker.parents]
         active = [n for n in names if n in self._units]
         return phase, self._units[max(active, key=len)] if active else ""
 

@@ -15,10 +15,9 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from ._torch_internals import WRAPPER_SEGMENTS
+
 __all__ = ["WRAPPER_SEGMENTS", "innermost", "logical_fqn", "match_logical", "segment_match", "unwrap"]
-
-WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
-
 
 def segment_match(pattern: str, fqn: str) -> bool:
     """``layers.*.attn.q_proj`` matches ``layers.3.attn.q_proj``: globs

@@ -16,7 +16,11 @@ What is here, by who needs it:
   parameters, the gradient-sync flags ``gradient_sync_context`` restores);
 - tensor parallelism: ``_StridedShard`` (a packed gate|up weight split per
   half), functional all-reduce (counted as TP traffic by tracers), a DTensor's
-  local shard without ``to_local``'s autograd node, ``_foreach_copy_``;
+  local shard without ``to_local``'s autograd node, ``_foreach_copy_``; a
+  tensor's view base and version counter (has a MoE block returned its
+  experts' output unchanged?);
+- module wrappers: the attribute names under which activation
+  checkpointing, ``torch.compile`` and FSDP1 keep the module they wrap;
 - meshes: ``DeviceMesh._flatten``/``_unflatten`` (HSDP over several data
   dims, a dim of one for replicate-only FSDP, the MoE mesh);
 - async TP: inductor's micro-pipeline switch and symmetric memory;
@@ -60,7 +64,9 @@ __all__ = [
     "FSDPMemTracker",
     "FakeStore",
     "FakeTensorMode",
+    "CHECKPOINT_WRAPPED",
     "StridedShard",
+    "WRAPPER_SEGMENTS",
     "TorchDispatchMode",
     "clear_dtensor_caches",
     "composable_checkpoint",
@@ -82,7 +88,9 @@ __all__ = [
     "tree_flatten",
     "tree_leaves",
     "unflatten_mesh",
+    "tensor_base",
     "unsharded_param",
+    "version_counter",
 ]
 
 # --------------------------------------------------------------------------- applying a plan
@@ -133,12 +141,36 @@ local_tensor: Callable[[torch.Tensor], torch.Tensor] = operator.attrgetter("_loc
 foreach_copy_: Callable[[list[torch.Tensor], list[torch.Tensor]], None] = torch._foreach_copy_
 
 
+def tensor_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` views (``t`` itself if not a view, and
+    under ``torch.inference_mode()``, which keeps no view bases)."""
+    base = t._base
+    return t if base is None else base
+
+
+def version_counter(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, bumped by every in-place change of its
+    storage (a view shares its base's); ``None`` for an inference tensor,
+    which keeps none."""
+    return None if t.is_inference() else t._version
+
+
 def resolve_process_group(group: Any) -> dist.ProcessGroup:
     """The process group a collective's argument names (a group object or
     a functional collective's group name); raises ``RuntimeError`` for
     anything else."""
     resolved: dist.ProcessGroup = dist.distributed_c10d._resolve_process_group(group)  # type: ignore[attr-defined]
     return resolved
+
+
+# --------------------------------------------------------------------------- module wrappers
+
+# The attribute under which ``checkpoint_wrapper`` keeps the wrapped module.
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
+
+# Path segments of wrappers that hold the real module: activation
+# checkpointing's, ``torch.compile``'s ``OptimizedModule`` and FSDP1's.
+WRAPPER_SEGMENTS = frozenset({CHECKPOINT_WRAPPED, "_orig_mod", "_fsdp_wrapped_module"})
 
 
 # --------------------------------------------------------------------------- meshes

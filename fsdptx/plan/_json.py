@@ -54,6 +54,8 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 _TYPE = "__type__"
+# Style attributes that applying a style sets and no constructor takes.
+_SET_BY_APPLYING = ("src_data_rank",)
 
 # Torch dataclasses a Plan holds, encoded by their fields like fsdptx's own.
 _TORCH_DATACLASSES: dict[str, type] = {
@@ -150,7 +152,8 @@ def _style_class(qualname: str) -> type[ParallelStyle] | None:
         found = getattr(importlib.import_module(module_name), name, None)
     except ImportError:
         return None
-    return found if isinstance(found, type) and issubclass(found, ParallelStyle) else None
+    defined_there = isinstance(found, type) and found.__module__ == module_name and found.__qualname__ == name
+    return found if defined_there and issubclass(found, ParallelStyle) else None  # type: ignore[arg-type]
 
 
 def _describe_style(style: ParallelStyle) -> dict[str, Any]:
@@ -278,6 +281,10 @@ def _rebuild_style(data: Mapping[str, Any]) -> ParallelStyle:
             use_local_output=attrs["use_local_output"],
         ),
     }
+    # Applying a style records state on it that no constructor takes (torch's
+    # parallelize_module sets src_data_rank, RowwiseParallel on an embedding
+    # its desired input layouts): set after construction, as applying did.
+    recorded = {k: attrs.pop(k) for k in _SET_BY_APPLYING if k in attrs}
     if cls in _TORCH_STYLES.values():
         build = builders.get(cls.__name__, cls)
     else:  # fsdptx's own styles take their attributes as keyword arguments
@@ -286,6 +293,9 @@ def _rebuild_style(data: Mapping[str, Any]) -> ParallelStyle:
         style = build()
     except (KeyError, TypeError, ValueError, AttributeError):
         return DescribedStyle(description)  # a torch version with other attributes: keep the description
+    for name, value in {**attrs, **recorded}.items():
+        if name not in vars(style):
+            setattr(style, name, value)
     rebuilt = _describe_style(style)
     rebuilt.pop(_TYPE)
     return style if rebuilt == description else DescribedStyle(description)

@@ -33,6 +33,7 @@ The routing indices are integer tensors and pass through untouched.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -149,8 +150,12 @@ class ExpertsParallel(ParallelStyle):
         self.partial_output = partial_output
 
     def with_partial_output(self) -> ExpertsParallel:
-        """The same split, handing the partial sums on unreduced."""
-        return ExpertsParallel(self.params, partial_output=True)
+        """A copy of this style (its class and settings) handing the
+        partial sums on unreduced."""
+        partial = copy.copy(self)
+        partial.params = dict(self.params)
+        partial.partial_output = True
+        return partial
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, style in self.params.items():

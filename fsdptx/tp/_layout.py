@@ -64,6 +64,7 @@ from ._styles import (
     ShardSequence,
     WholeSequence,
     describe_style,
+    experts_pairing_problems,
     region_input,
     style_for,
     style_layouts,
@@ -186,6 +187,7 @@ def sequence_layout(
             p.out.assignments[fqn] = TPAssignment(fqn, spec, pattern, style_for(spec, index.modules[fqn], takes=takes, gives=gives))
         else:
             p.out.assignments[fqn] = TPAssignment(fqn, describe_style(spec), pattern, spec)
+    p.out.problems.extend(experts_pairing_problems({f: a.parallel_style for f, a in p.out.assignments.items()}))
     return p.out
 
 

@@ -54,7 +54,7 @@ called with), leaving every other argument alone:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -72,6 +72,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from ..core._torch_internals import tensor_base, version_counter
 from ._experts import ExpertsParallel
 
 __all__ = [
@@ -368,29 +369,44 @@ class ExpertsSequence(_Boundary):
     The planner chooses it only for a block holding nothing but those
     experts and token-local holders (the router), whose output is the
     experts' output: a partial sum is only summed correctly if nothing
-    whole was added to it. The forward checks that the block returns a view
-    of the experts' output and raises otherwise, rather than reduce-scatter
-    a mix of partial and whole values. Backward: an all-gather of the
-    output's gradient; the experts all-reduce their input gradients, so the
-    router's gradients agree on every rank.
+    whole was added to it. The forward checks that the block returns the
+    experts' output (the tensor or a view of it, kept alive until the block
+    returns, so no other tensor can pass for it) unchanged since they
+    returned it (its version counter), and raises otherwise rather than
+    reduce-scatter a mix of partial and whole values. Under
+    ``torch.inference_mode()`` tensors keep no version counter: an in-place
+    change of the experts' output there goes unseen. Backward: an all-gather
+    of the output's gradient; the experts all-reduce their input gradients,
+    so the router's gradients agree on every rank.
+
+    Args:
+        experts: paths of the experts modules inside the block, each
+            non-empty (the block itself is not its experts).
+        block: the block's FQN, for error messages.
     """
 
     takes, gives, inner = SEQ, SEQ, Replicate()
 
     def __init__(self, experts: tuple[str, ...], block: str = "") -> None:
         super().__init__()
-        self.experts = tuple(experts)
-        self.block = block  # the block's FQN, for error messages
+        experts = tuple(experts)
+        if not experts or not all(isinstance(e, str) and e for e in experts):
+            raise ValueError(f"ExpertsSequence: experts must be non-empty module paths inside the block, got {experts!r}")
+        self.experts = experts
+        self.block = block
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         super()._apply(module, device_mesh)
-        # The experts' outputs of this forward, with their version counters:
-        # a view shares its base's counter, so an in-place add shows.
-        outputs: dict[int, int] = {}
+        # The experts' outputs of the running forward with their version
+        # counters, held until the block returns.
+        seen: list[tuple[torch.Tensor, int | None]] = []
+
+        def start(m: nn.Module, args: tuple[Any, ...]) -> None:
+            seen.clear()
 
         def record(m: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if isinstance(output, torch.Tensor):
-                outputs[id(_root(output))] = output._version
+                seen.append((output, version_counter(output)))
 
         for path in self.experts:
             module.get_submodule(path).register_forward_hook(record)
@@ -399,9 +415,9 @@ class ExpertsSequence(_Boundary):
             _where, full = _hidden_states(m, args, kwargs, self)
             length = full.shape[1] if isinstance(full, torch.Tensor) and full.dim() >= 2 else None
             first = output[0] if isinstance(output, tuple) and output else output
-            produced = dict(outputs)
-            outputs.clear()
-            if not isinstance(first, torch.Tensor) or produced.get(id(_root(first))) != first._version:
+            unchanged = isinstance(first, torch.Tensor) and any(_unchanged_view(first, t, v) for t, v in seen)
+            seen.clear()
+            if not unchanged:
                 raise RuntimeError(
                     f"{self.block or type(m).__name__!r} (experts_sequence): the block's output is not its experts' output "
                     f"{self.experts} as they returned it (another tensor, or changed in place), so it may mix "
@@ -410,6 +426,7 @@ class ExpertsSequence(_Boundary):
                 )
             return _reduce_scatter_output(output, length, device_mesh)
 
+        module.register_forward_pre_hook(start)
         module.register_forward_hook(after, with_kwargs=True)
         return module
 
@@ -417,10 +434,45 @@ class ExpertsSequence(_Boundary):
         return f"ExpertsSequence({', '.join(self.experts)})"
 
 
-def _root(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage ``t`` views (``t`` itself if not a view)."""
-    base = t._base
-    return t if base is None else base
+def _unchanged_view(out: torch.Tensor, expert_output: torch.Tensor, version: int | None) -> bool:
+    """Whether ``out`` is ``expert_output`` or a view of the same storage,
+    changed in no place since the experts returned it. Inference tensors
+    keep no view base: their storages are compared instead."""
+    if out.is_inference() or expert_output.is_inference():
+        return out.untyped_storage().data_ptr() == expert_output.untyped_storage().data_ptr()
+    return tensor_base(out) is tensor_base(expert_output) and version_counter(out) == version
+
+
+def experts_pairing_problems(styles: Mapping[str, ParallelStyle]) -> list[str]:
+    """Why the experts styles of ``styles`` (module FQN -> style) would
+    compute a wrong result: every expert an :class:`ExpertsSequence` names
+    must hand on partial sums for it to reduce (experts that all-reduce
+    would be summed again, ``tp`` times), and experts that hand on partial
+    sums must be inside a block that reduces them (else they reach the
+    residual stream unreduced)."""
+    problems: list[str] = []
+    reduced: set[str] = set()
+    for block, style in styles.items():
+        if not isinstance(style, ExpertsSequence):
+            continue
+        for path in style.experts:
+            fqn = f"{block}.{path}" if block else path
+            reduced.add(fqn)
+            experts = styles.get(fqn)
+            if not isinstance(experts, ExpertsParallel) or not experts.partial_output:
+                problems.append(
+                    f"{block!r} (ExpertsSequence) reduce-scatters the partial sums of {fqn!r}, but {fqn!r} has "
+                    f"{describe_style(experts) if experts is not None else 'no TP style'}; give it "
+                    "ExpertsParallel(..., partial_output=True), or leave the block out of the plan (fsdptx "
+                    "chooses its style)"
+                )
+    for fqn, style in styles.items():
+        if isinstance(style, ExpertsParallel) and style.partial_output and fqn not in reduced:
+            problems.append(
+                f"{fqn!r} hands on its experts' partial sums (partial_output=True), but no ExpertsSequence block "
+                "reduces them: they would reach the residual stream unreduced; give it partial_output=False"
+            )
+    return problems
 
 
 def _reduce_scatter_output(output: Any, length: int | None, mesh: DeviceMesh) -> Any:

@@ -24,7 +24,7 @@ from ..plan.transforms import block_fqns
 from ..plan._types import Plan, Reduction, TensorParallel, TPAssignment, preview
 from ._experts import EXPERT_PARAM_STYLES, EXPERTS_STYLE, ExpertsParallel, expert_split_dim
 from ._layout import StyleSpec, output_head_module, sequence_layout
-from ._styles import REPLICA_SUM_STYLES, STYLE_NAMES, UNSUPPORTED_STYLES, describe_style
+from ._styles import REPLICA_SUM_STYLES, STYLE_NAMES, UNSUPPORTED_STYLES, describe_style, experts_pairing_problems
 
 __all__ = ["check_tensor_parallel", "declared_tp_plan", "segment_match", "tensor_parallel"]
 
@@ -326,9 +326,10 @@ def check_tensor_parallel(
     """Problems that make the TP plan unappliable at ``tp_size``: a torch
     colwise/rowwise style on a module it cannot shard, a sharded dim or a
     declared head count not divisible by the TP size, a module that no
-    longer exists. Pure; empty when it fits. ``index``: the model's index
+    longer exists, experts styles that do not pair up (a plan file edited
+    by hand). Pure; empty when it fits. ``index``: the model's index
     as it is now, read instead of walking the model again."""
-    problems: list[str] = []
+    problems: list[str] = experts_pairing_problems({a.module: a.parallel_style for a in tp.assignments})
     modules = index.modules if index is not None else dict(model.named_modules())
     for a in tp.assignments:
         module = modules.get(a.module)

@@ -5,8 +5,14 @@ torch module or name whose path has a private part (``torch._subclasses``,
 ``placement_types._StridedShard``), reach one through an attribute
 (``torch._foreach_copy_``, ``dist.distributed_c10d._resolve_process_group``)
 or read a private attribute of a torch object fsdptx is known to need
-(``_local_tensor``, ``_fsdp_param_groups``, ...). A torch upgrade that moves
-one then breaks in that file, and nowhere else.
+(``_local_tensor``, ``_fsdp_param_groups``, ``_base``, ...), by attribute or
+by name in a string (``getattr(x, "_unsharded_param")``,
+``"torch._inductor"``). A torch upgrade that moves one then breaks in that
+file, and nowhere else, with the one exception listed in ``ALLOWED``.
+
+Out of scope: aten operator names in strings (the selective-checkpointing
+save list names ``aten._scaled_dot_product_*`` ops, as torchtitan's does),
+and ``nn.Module``'s own ``_parameters``/``_modules``/``_buffers``.
 """
 
 from __future__ import annotations
@@ -31,12 +37,26 @@ TORCH_PRIVATE_ATTRIBUTES = frozenset(
         "_op_dispatcher",
         "_resolve_process_group",
         "_get_registry",
+        "_base",
+        "_version",
+        "_checkpoint_wrapped_module",
+        "_orig_mod",
+        "_fsdp_wrapped_module",
+        "_mod_tracker",
+        "_update_peak_stats",
         "_flatten",
         "_unflatten",
         "_overloadpacket",
         "_schema",
     }
 )
+
+
+# (file, private name) -> why it is used there rather than through the file.
+ALLOWED: dict[tuple[str, str], str] = {
+    ("fsdptx/cli/_memory.py", "_mod_tracker"): "the trace's FSDPMemTracker subclass reads its base's module tracker",
+    ("fsdptx/cli/_memory.py", "_update_peak_stats"): "the trace's FSDPMemTracker subclass overrides its base's hook",
+}
 
 
 def _private(dotted: str) -> bool:
@@ -77,8 +97,13 @@ def violations(path: Path) -> list[str]:
                 found.append(f"{node.lineno}: .{node.attr}")
             elif dotted is not None and dotted.split(".")[0] in torch_aliases and _private(dotted.split(".", 1)[-1]):
                 found.append(f"{node.lineno}: {dotted}")
-        elif isinstance(node, ast.Constant) and node.value in TORCH_PRIVATE_ATTRIBUTES:
-            found.append(f"{node.lineno}: {node.value!r} (read by name)")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in TORCH_PRIVATE_ATTRIBUTES or node.value.startswith("torch._"):
+                found.append(f"{node.lineno}: {node.value!r} (by name)")
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name in TORCH_PRIVATE_ATTRIBUTES:
+                    found.append(f"{item.lineno}: def {item.name} (overrides a torch class's private method)")
     return sorted(set(found), key=lambda v: int(v.split(":")[0]))
 
 
@@ -86,9 +111,22 @@ def package_files() -> list[Path]:
     return [p for p in sorted(PACKAGE.rglob("*.py")) if p != INTERNALS]
 
 
-@pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def _rel(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent))
+
+
+def _unexplained(path: Path) -> list[str]:
+    return [v for v in violations(path) if not any((_rel(path), name) in ALLOWED for name in _names_in(v))]
+
+
+def _names_in(violation: str) -> list[str]:
+    text = violation.split(":", 1)[1]
+    return [name for name in TORCH_PRIVATE_ATTRIBUTES if name in text]
+
+
+@pytest.mark.parametrize("path", package_files(), ids=_rel)
 def test_no_module_but_torch_internals_uses_a_private_torch_api(path: Path) -> None:
-    found = violations(path)
+    found = _unexplained(path)
     assert not found, f"{path.relative_to(PACKAGE.parent)} uses private torch APIs; go through core/_torch_internals:\n" + "\n".join(found)
 
 
@@ -107,9 +145,20 @@ def test_the_check_sees_each_kind_of_private_use(tmp_path: Path) -> None:
         "y = getattr(fp, '_unsharded_param', None)\n"
         "z = torch.float32\n"
         "self._parameters\n"
+        "b = t._base\n"
+        "importlib.import_module('torch._inductor.config')\n"
+        "class T(Tracker):\n"
+        "    def _update_peak_stats(self): ...\n"
     )
     found = violations(sample)
-    assert [v.split(":")[0] for v in found] == ["3", "4", "5", "6", "7", "8", "9"], found
+    assert [v.split(":")[0] for v in found] == ["3", "4", "5", "6", "7", "8", "9", "12", "13", "15"], found
+
+
+def test_every_allowed_exception_is_still_used() -> None:
+    """An entry of ``ALLOWED`` that no longer matches anything is stale."""
+    for (file, name), why in ALLOWED.items():
+        found = violations(PACKAGE.parent / file)
+        assert any(name in v for v in found), f"{file}: {name} ({why}) is no longer used; drop it from ALLOWED"
 
 
 def test_the_internals_file_exists_and_is_the_one_exempted() -> None:

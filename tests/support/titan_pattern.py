@@ -140,24 +140,24 @@ class ExpertsTensorParallel(ParallelStyle):
             assert weight is not None
             module.register_parameter(name, nn.Parameter(distribute_tensor(weight.data, device_mesh, [placement])))
 
-        def before(m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        def partial_grad(a: Any) -> Any:
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                return DTensor.from_local(a, device_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+            return a
+
+        def before(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
             for name, _ in self._PLACEMENTS:
                 param = m._parameters[name]
                 assert isinstance(param, DTensor)
                 m.__dict__[name] = param.to_local()
-            return tuple(
-                DTensor.from_local(a, device_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
-                if isinstance(a, torch.Tensor) and a.is_floating_point()
-                else a
-                for a in args
-            )
+            return tuple(map(partial_grad, args)), {k: partial_grad(v) for k, v in kwargs.items()}
 
         def after(m: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             for name, _ in self._PLACEMENTS:
                 m.__dict__.pop(name, None)
 
-        module.register_forward_pre_hook(before)
-        module.register_forward_hook(after)
+        module.register_forward_pre_hook(before, with_kwargs=True)
+        module.register_forward_hook(after, always_call=True)
         return module
 
 

@@ -25,7 +25,8 @@ pytest.importorskip("transformers")
 
 import fsdptx  # noqa: E402
 from fsdptx.testing import Collective, fake_mesh, record_collectives  # noqa: E402
-from fsdptx.tp import ExpertsParallel, WholeSequence  # noqa: E402
+from fsdptx import PlanningError  # noqa: E402
+from fsdptx.tp import ExpertsParallel, ExpertsSequence, WholeSequence  # noqa: E402
 
 import hf_zoo  # noqa: E402
 from titan_pattern import parallelize_by_hand  # noqa: E402
@@ -77,7 +78,7 @@ def _measure(name: str) -> dict[str, Counter[tuple[str, int]]]:
     return {"hand": _tally(hand), "ours": _tally(ours), "sync": _tally(sync)}
 
 
-def test_mixtral_step_tp_collectives_match_torchtitans_moe_pattern_op_for_op() -> None:
+def test_mixtral_step_tp_collectives_match_torchtitans_moe_pattern_in_count_and_bytes() -> None:
     found = _measure("mixtral")
     assert found["ours"] == found["hand"]
 
@@ -98,10 +99,13 @@ def test_qwen3_moe_step_moves_torchtitans_collectives_less_its_per_layer_q_k_nor
 def test_each_moe_layer_all_reduces_one_activation_the_experts_input_gradient(name: str) -> None:
     """Forward: all-gather in, reduce-scatter out. Backward: the experts'
     input gradient is the only activation all-reduced (the block's output
-    was all-reduced too before the block reduce-scattered it)."""
+    was all-reduced too before the block reduce-scattered it). Activation
+    reduce-scatters per step: the embedding's, then per layer the
+    attention's and the MoE block's in forward and the attention gather's in
+    backward, and the head gather's in backward."""
     found = _measure(name)
     assert found["ours"][("all_reduce", ACTIVATION)] == hf_zoo.LAYERS
-    assert found["ours"][("reduce_scatter_tensor", ACTIVATION)] == found["hand"][("reduce_scatter_tensor", ACTIVATION)]
+    assert found["ours"][("reduce_scatter_tensor", ACTIVATION)] == 3 * hf_zoo.LAYERS + 2
 
 
 # ------------------------------------------------------------ the MoE block's style
@@ -189,3 +193,90 @@ def test_a_moe_plan_read_back_from_json_rebuilds_its_styles_and_applies_with_the
         fsdptx.apply_plan(back, model, mesh)
         loaded = _tally(_step(model))
     assert loaded == _measure("mixtral")["ours"]
+
+
+
+def test_the_check_keeps_each_expert_output_so_a_new_tensor_never_passes_for_it() -> None:
+    """The experts' output is held until the block returns: a block that
+    computes a new tensor from it (which could reuse a freed tensor's
+    identity) is refused every time."""
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        model = _build("mixtral")
+        block = model.get_submodule("model.layers.1.mlp")
+        forward = block.forward
+        block.forward = lambda hidden_states: (forward(hidden_states) * 1.0) + hidden_states  # type: ignore[method-assign]
+        fsdptx.FSDP2Manager(fsdptx.FSDP2Config(sequence_parallel=True, mp_policy=None), mesh).parallelize(model)
+        for _ in range(20):
+            with pytest.raises(RuntimeError, match="not its experts' output"):
+                model(input_ids=_tokens())
+
+
+def test_a_moe_block_runs_under_inference_mode() -> None:
+    """Inference tensors keep no version counter and no view base: the
+    check compares storages there."""
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        model = _build("mixtral")
+        fsdptx.FSDP2Manager(fsdptx.FSDP2Config(sequence_parallel=True, mp_policy=None), mesh).parallelize(model)
+        with torch.inference_mode():
+            logits = model(input_ids=_tokens()).logits
+        assert logits.shape == (BATCH, SEQ, hf_zoo.VOCAB)
+
+
+def _experts_plan(model: nn.Module, **experts: Any) -> dict[str, Any]:
+    """The model's declared plan with the experts given as a style object."""
+    plan = {k: v for k, v in model._tp_plan.items() if ".experts" not in k}  # type: ignore[union-attr]
+    params = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+    return {**plan, "model.layers.*.mlp.experts": ExpertsParallel(params, **experts)}
+
+
+def test_a_block_named_experts_sequence_over_experts_that_all_reduce_is_refused_at_planning() -> None:
+    """Reduce-scattering experts that already all-reduced would count their
+    output tp times."""
+    model = _build("mixtral")
+    plan = {**_experts_plan(model), "model.layers.*.mlp": ExpertsSequence(("experts",))}
+    with pytest.raises(PlanningError, match=r"'model.layers.0.mlp' \(ExpertsSequence\) reduce-scatters .*partial_output=True"):
+        _plan(model, tp_plan=plan)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp-whole-block"])
+def test_experts_handing_on_partial_sums_outside_an_experts_sequence_block_are_refused_at_planning(sp: bool) -> None:
+    model = _build("mixtral")
+    plan = _experts_plan(model, partial_output=True)
+    if sp:
+        plan["model.layers.*.mlp"] = WholeSequence()
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        manager = fsdptx.FSDP2Manager(fsdptx.FSDP2Config(sequence_parallel=sp, mp_policy=None, tp_plan=plan), mesh)
+        with pytest.raises(PlanningError, match=r"'model.layers.0.mlp.experts' hands on its experts' partial sums"):
+            manager.plan(model)
+
+
+@pytest.mark.parametrize("experts", [(), ("",), ("experts", "")], ids=["none", "the-block-itself", "one-empty"])
+def test_an_experts_sequence_must_name_experts_inside_its_block(experts: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError, match="non-empty module paths"):
+        ExpertsSequence(experts)
+
+
+def test_partial_output_keeps_the_style_s_class_and_settings() -> None:
+    class Custom(ExpertsParallel):
+        pass
+
+    style = Custom({"down_proj": "rowwise"})
+    style.src_data_rank = None
+    partial = style.with_partial_output()
+    assert type(partial) is Custom and partial.src_data_rank is None and partial.partial_output
+    assert not style.partial_output and partial.params == style.params and partial.params is not style.params
+
+
+def test_a_moe_plan_saved_after_applying_it_reads_back_and_applies_again() -> None:
+    """Torch records the source rank on the styles it applies; a plan file
+    written afterwards still rebuilds them."""
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        config = fsdptx.FSDP2Config(sequence_parallel=True, mp_policy=None)
+        applied = fsdptx.FSDP2Manager(config, mesh).plan(first := _build("mixtral"))
+        fsdptx.apply_plan(applied, first, mesh)
+        back = fsdptx.plan_from_json(fsdptx.plan_to_json(applied))
+        kinds = {type(a.parallel_style).__name__ for a in back.tensor_parallel.assignments}  # type: ignore[union-attr]
+        assert "DescribedStyle" not in kinds and "ExpertsSequence" in kinds
+        model = _build("mixtral")
+        fsdptx.apply_plan(back, model, mesh)
+        assert _tally(_step(model)) == _measure("mixtral")["ours"]

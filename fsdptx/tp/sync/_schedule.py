@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 import torch
 from ...core._chunks import gradient_chunks
-from ...core._torch_internals import foreach_copy_
+from ...core._torch_internals import foreach_copy_, tensor_base
 
 __all__ = []
 
@@ -142,7 +142,7 @@ def _schedule(
             offset = mean_numel = 0
             for piece in pieces:
                 whole = id(piece) in index_of
-                i = index_of[id(piece) if whole else id(piece._base)]
+                i = index_of[id(piece) if whole else id(tensor_base(piece))]
                 n = piece.numel()
                 if whole:
                     slots.append(i)
