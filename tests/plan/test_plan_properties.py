@@ -585,7 +585,8 @@ def _change(model: nn.Module, data: st.DataObject) -> None:
     elif owner_fqn:
         up_fqn, _, child = owner_fqn.rpartition(".")
         copy = type(owner).__new__(type(owner))
-        copy.__dict__.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in owner.__dict__.items()})
+        # Each dict copied as its own type: torch keeps hooks in OrderedDicts it takes weak references to.
+        copy.__dict__.update({k: (v.copy() if isinstance(v, dict) else v) for k, v in owner.__dict__.items()})
         model.get_submodule(up_fqn).add_module(child, copy)
 
 
