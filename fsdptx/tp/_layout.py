@@ -37,7 +37,7 @@ sequence. Pure: it reads the model through the planner's index.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -427,6 +427,14 @@ def _holder(p: _Pass, fqn: str, *, direct_only: bool) -> None:
             p.out.sums.append(f)
 
 
+def _subtree(index: ModelIndex, fqn: str) -> Iterator[tuple[str, nn.Module]]:
+    """``fqn`` and every module below it, in walk order: a slice of the
+    index, not a scan of the whole model."""
+    at = index.walk.position[id(index.modules[fqn])]
+    end = index.subtree_end[at]
+    return zip(index.module_fqns[at:end], index.walk.modules[at:end])
+
+
 def _moe_block_experts(p: _Pass, region: str, inner: list[str]) -> list[str]:
     """The experts of ``region`` if it is a MoE block whose output can only
     be its experts' partial sums: every TP style inside it splits experts,
@@ -437,8 +445,8 @@ def _moe_block_experts(p: _Pass, region: str, inner: list[str]) -> list[str]:
     if not p.sp or not inner or not all(isinstance(p.explicit(f), ExpertsParallel) for f in inner):
         return []
     base = p.index.fqn_of(unwrap_checkpoint(p.index.modules[region]))
-    for f, m in p.index.modules.items():
-        if not m._parameters or not _inside(f, region) or any(_inside(f, e) for e in inner):
+    for f, m in _subtree(p.index, region):
+        if not m._parameters or any(_inside(f, e) for e in inner):
             continue
         if f.rpartition(".")[0] not in (region, base) or _compound(p.index, f) or _is_norm(m):
             return []
@@ -450,8 +458,8 @@ def _uncovered(p: _Pass, region: str, inner: list[str]) -> list[str]:
     than norms and what the plan marks ``sum`` (q/k norms of the local heads):
     their plain parameters cannot meet a DTensor input."""
     found = []
-    for f, m in p.index.modules.items():
-        if not _inside(f, region) or not m._parameters or f in p.declared or f in p.sum_marked:
+    for f, m in _subtree(p.index, region):
+        if not m._parameters or f in p.declared or f in p.sum_marked:
             continue
         if any(_inside(f, s) for s in inner) or _is_norm(m):
             continue

@@ -29,6 +29,7 @@ enter the experts there, get the routed input's Partial gradient too.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -110,19 +111,10 @@ LAYOUTS: dict[str, Layout] = {
         dtensor_embedding=True,
         moe="mlp",
     ),
-    "hf_qwen3_moe": Layout(
-        "model.embed_tokens",
-        "model.layers.*",
-        ("input_layernorm", "post_attention_layernorm"),
-        {"self_attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",))},
-        "model.norm",
-        "lm_head",
-        keyword="hidden_states",
-        dtensor_embedding=True,
-        moe="mlp",
-        head_norms=("self_attn.q_norm", "self_attn.k_norm"),
-    ),
+
 }
+# Qwen3-MoE is Mixtral plus per-head q/k norms after the colwise projections.
+LAYOUTS["hf_qwen3_moe"] = dataclasses.replace(LAYOUTS["hf_mixtral"], head_norms=("self_attn.q_norm", "self_attn.k_norm"))
 
 
 class ExpertsTensorParallel(ParallelStyle):
