@@ -17,11 +17,13 @@ states' dtype.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from ..model._index import ModelIndex
 
 __all__ = ["cast_inputs_to_fp32", "wholly_fp32_modules"]
 
@@ -29,23 +31,44 @@ __all__ = ["cast_inputs_to_fp32", "wholly_fp32_modules"]
 def wholly_fp32_modules(
     units: Iterable[tuple[Sequence[str], Sequence[nn.Module], torch.dtype | None]],
     compute_of: Mapping[str, torch.dtype | None],
+    index: ModelIndex | None = None,
 ) -> list[nn.Module]:
     """The modules of fp32 units (``(module FQNs, modules, compute dtype)``)
     whose every parameter, children's included, computes in fp32 by
     ``compute_of`` (parameter FQN -> its unit's compute dtype). None where
-    every unit computes in fp32: activations are fp32 throughout."""
+    every unit computes in fp32: activations are fp32 throughout.
+
+    ``index``, the model's index as it is now, gives each module's
+    parameter names as a slice of its slots instead of a walk of the
+    module; it is used only on a plain tree (no tied parameter, no shared
+    module), where the two agree name for name."""
     units = list(units)
     if all(compute == torch.float32 for _fqns, _modules, compute in units):
         return []
+    names_below = _from_index(index) if index is not None and not index.tied and not index.shared_modules else None
     found: list[nn.Module] = []
     for fqns, modules, compute in units:
         if compute != torch.float32:
             continue
         for fqn, module in zip(fqns, modules):
-            names = [f"{fqn}.{n}" if fqn else n for n, _p in module.named_parameters()]
+            names = names_below(module) if names_below is not None else None
+            if names is None:
+                names = [f"{fqn}.{n}" if fqn else n for n, _p in module.named_parameters()]
             if names and all(compute_of.get(n) == torch.float32 for n in names):
                 found.append(module)
     return found
+
+
+def _from_index(index: ModelIndex) -> Callable[[nn.Module], list[str] | None]:
+    """The parameter FQNs of a module's subtree, read from ``index``'s
+    slots (``None`` for a module the index did not walk)."""
+    position, start, end, slot_fqn = index.walk.position, index.slot_start, index.subtree_end, index.slot_fqn
+
+    def names(module: nn.Module) -> list[str] | None:
+        at = position.get(id(module))
+        return None if at is None else slot_fqn[start[at] : start[end[at]]]
+
+    return names
 
 
 def _to_fp32(value: Any) -> Any:

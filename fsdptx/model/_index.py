@@ -5,6 +5,7 @@ Planning, TP and applying all read one :class:`ModelIndex` per call."""
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from ._unit_checks import is_container
 from ._walk import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
 
 __all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_blocks"]
+
+_NUMEL = operator.methodcaller("numel")
+
 
 class PlanningError(ValueError):
     """A request cannot be planned for this model; raised before any mutation.
@@ -173,12 +177,30 @@ class ModelIndex:
         hint, requires_grad), read once for all of planning; dtype and
         ``requires_grad`` as the walk's signature recorded them."""
         facts = {}
-        read = self.walk.facts
+        read, numels = self.walk.facts, self.slot_numels
         for p, slot in zip(self.param_objects, self.first_slots):
             dtype, grad, _ndim = read[slot]
-            n = p.numel()
+            n = numels[slot]
             facts[id(p)] = (dtype, n, n * dtype.itemsize, getattr(p, "_hf_compute_dtype", None), grad)
         return facts
+
+    @memo_property
+    def slot_numels(self) -> list[int]:
+        """Per parameter slot, its parameter's numel."""
+        return list(map(_NUMEL, self.walk.params))
+
+    @memo_property
+    def up_distance(self) -> list[int]:
+        """Per walk position, how far back its parent is (0 for the root):
+        the tree's shape in a form equal for two subtrees built alike, so
+        comparing them is a comparison of slices."""
+        return list(map(operator.sub, range(len(self.walk.parents)), self.walk.parents))
+
+    @memo_property
+    def direct_counts(self) -> list[int]:
+        """Per walk position, how many parameter slots the module has."""
+        start = self.slot_start
+        return list(map(operator.sub, start[1:], start[:-1]))
 
     def fqn_of(self, module: nn.Module) -> str:
         """The FQN of a module of the model (``KeyError`` for any other)."""

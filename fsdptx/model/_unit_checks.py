@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["container_classes", "is_container", "module_problems"]
+__all__ = ["container_classes", "is_container", "module_problems", "refused_class"]
 
 
 def is_container(module: nn.Module) -> bool:
@@ -19,6 +19,15 @@ def is_container(module: nn.Module) -> bool:
     return (
         isinstance(module, (nn.ModuleList, nn.ModuleDict))
         and type(module).forward is nn.Module.forward
+    )
+
+
+def refused_class(cls: type) -> bool:
+    """Whether ``fully_shard`` refuses every module of class ``cls`` as a
+    unit module (:func:`module_problems` says why): an FSDP module, or a
+    ModuleList/ModuleDict without forward."""
+    return issubclass(cls, FSDPModule) or (
+        issubclass(cls, (nn.ModuleList, nn.ModuleDict)) and cls.forward is nn.Module.forward
     )
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain, compress
 from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from ..core._caches import caches_enabled
-from ..model._unit_checks import module_problems
+from ..model._unit_checks import refused_class
 from ..model._walk import _DTYPE_GRAD, _NDIM, ModelWalk, Signature, walk_model
 from ._types import Reduction
 
@@ -98,11 +99,28 @@ def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
     if any(grad and not dtype.is_floating_point for dtype, grad in set(map(_DTYPE_GRAD, walk.facts))):
         return None  # a trainable complex parameter: the planner leaves it keyless
     position, modules = walk.position, index.modules
-    positions = tuple(tuple(position[id(modules[f])] for f in u.modules) for u in units)
-    for i, (unit, at) in enumerate(zip(units, positions)):
-        if settings_problems(i, unit) or module_problems(i, unit.modules, [walk.modules[j] for j in at]):
-            return None
+    positions = tuple(tuple(map(position.__getitem__, map(id, map(modules.__getitem__, u.modules)))) for u in units)
+    # What the primitive refuses depends on a module's class and a unit's
+    # settings' kinds alone: ask once per refused position and per kind of
+    # settings, not once per unit (a model has thousands of units).
+    refused = {t for t in set(walk.types) if refused_class(t)}
+    if refused and not set(compress(range(len(walk.types)), map(refused.__contains__, walk.types))).isdisjoint(
+        chain.from_iterable(positions)
+    ):
+        return None
+    settings = {(type(u.mp_policy), type(u.offload_policy), u.mesh, _hashable(u.reshard_after_forward)): u for u in units}
+    if any(settings_problems(0, u) for u in settings.values()):
+        return None
     return Vouched(walk.signature, units, positions)
+
+
+def _hashable(value: object) -> object:
+    """``value`` as a dict key: itself, or its identity when unhashable."""
+    try:
+        hash(value)
+    except TypeError:
+        return ("unhashable", id(value))
+    return value
 
 
 def vouch_marks(index: ModelIndex, plan: Plan) -> Verification | None:
@@ -111,7 +129,7 @@ def vouch_marks(index: ModelIndex, plan: Plan) -> Verification | None:
     vouched = plan.verified
     if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
         return vouched
-    named = all(map(index.has_param, plan.reductions)) and all(f in index.modules for f in plan.exclusions)
+    named = index.params.keys() >= plan.reductions.keys() and all(f in index.modules for f in plan.exclusions)
     if not named:
         return vouched
     position, modules = index.walk.position, index.modules

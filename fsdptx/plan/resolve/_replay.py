@@ -10,7 +10,9 @@ the plain planner stays the reference it must agree with.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .._types import Unit
 from ._resolver import _plan_target, _Resolver
@@ -28,54 +30,62 @@ class _UnitShape:
     ignored: tuple[int, ...]
 
 
+Parts = list[Sequence[Any] | None]  # slices of the index's columns, or None for 'nothing of the block'
+Shape = tuple[tuple[Any, ...] | None, ...]  # the parts, hashable
+
+
 @dataclass
 class _BlockReplay:
     """Plans a block built like one planned before by replaying its units.
 
     Real models repeat one block class many times, and planning one block
     depends only on what :meth:`shape` records: the subtree's classes, tree
-    shape and names; each parameter slot's owner, name, (storage, compute)
-    key, and whether it is frozen, ignored or already owned; which modules
-    are sharded already. Two blocks with equal shapes get the same units up
-    to the block's FQN prefix (a common prefix keeps name order), so the
+    shape and names; each parameter slot's module, name, dtype,
+    ``requires_grad``, numel and (storage, compute) key, and whether it is
+    ignored, already owned or fp32 by the bulk rule; which modules are
+    sharded already. Two blocks with equal shapes get the same units up to
+    the block's FQN prefix (a common prefix keeps name order), so the
     second one onward costs a comparison and the units' construction instead
     of surveys and descents. A block holding a tied parameter, a model with
     shared modules, and every error take the full planning.
     """
 
     r: _Resolver
-    shapes: dict[tuple[object, ...], tuple[_UnitShape, ...] | None] = field(default_factory=dict)
+    shapes: dict[Shape, tuple[_UnitShape, ...] | None] = field(default_factory=dict)
+    last: tuple[Parts, tuple[_UnitShape, ...]] | None = None  # the previous block's parts and units
 
-    def shape(self, top: int) -> tuple[object, ...] | None:
-        """What planning the block at walk position ``top`` depends on, or
-        ``None`` when it cannot be replayed."""
+    def parts(self, top: int) -> Parts | None:
+        """What planning the block at walk position ``top`` depends on, as
+        slices of the index's columns (plus the resolver's state, asked
+        about the block one by one only when it holds something of it), or
+        ``None`` when the block cannot be replayed. No loop here runs per
+        module or parameter in Python: this runs once per block, and such
+        a loop would cost about what replaying saves."""
         r, index = self.r, self.r.index
         if index.shared_modules:
             return None
         walk, end = index.walk, index.subtree_end[top]
         first, last = index.slot_start[top], index.slot_start[end]
-        aliases, keys, frozen, excluded, ignored, owner = (
-            index.aliases, r.keys, r.frozen, r.excluded, r.ignored, r.owner
-        )
-        slots = []
-        for p in walk.params[first:last]:
-            pid = id(p)
-            if pid in aliases:
-                return None
-            taken = 2 if pid in owner else 1 if pid in excluded else 0
-            slots.append((keys.get(pid), pid in frozen, taken, pid in ignored, pid in r.intrinsic))
-        sharded = r.sharded
-        return (
-            tuple(walk.types[top:end]),
-            tuple(up - top for up in walk.parents[top + 1 : end]),
-            tuple(walk.names[top + 1 : end]),
-            tuple(id(m) in sharded for m in walk.modules[top + 1 : end]),
-            tuple(o - top for o in walk.owners[first:last]),
-            tuple(walk.slot_names[first:last]),
-            tuple(slots),
-        )
+        pids = walk.param_ids[first:last]
+        if index.aliases and not index.aliases.keys().isdisjoint(pids):
+            return None
+        excluded, sharded = r.excluded, r.sharded
+        ids = list(map(id, walk.modules[top + 1 : end])) if sharded else []
+        return [
+            walk.types[top:end],
+            index.up_distance[top + 1 : end],
+            walk.names[top + 1 : end],
+            index.direct_counts[top:end],
+            walk.slot_names[first:last],
+            walk.facts[first:last],  # dtype, requires_grad, ndim
+            index.slot_numels[first:last],
+            list(map(r.keys.get, pids)),
+            None if sharded.isdisjoint(ids) else list(map(sharded.__contains__, ids)),
+            None if excluded.isdisjoint(pids) else [(p in r.owner, p in excluded, p in r.ignored) for p in pids],
+            None if r.intrinsic.isdisjoint(pids) else list(map(r.intrinsic.__contains__, pids)),
+        ]
 
-    def record(self, shape: tuple[object, ...], top: int, units: list[Unit]) -> None:
+    def record(self, shape: Shape, top: int, units: list[Unit]) -> None:
         """Remember the units the full planning just made for the block at
         ``top``; a unit naming anything outside the block is not replayable."""
         index = self.r.index
@@ -97,53 +107,61 @@ class _BlockReplay:
 
     def replay(self, shapes: tuple[_UnitShape, ...], top: int) -> None:
         """Add the recorded units for the block at ``top``, with the effects
-        :meth:`_Resolver.add` has: its parameters owned, its modules sharded."""
+        :meth:`_Resolver.add` has: its parameters owned, its modules sharded.
+        The units' sizes are the recorded ones: the shape holds every slot's
+        dtype and numel."""
         r, index = self.r, self.r.index
-        first = index.slot_start[top]
-        fqns, modules, params, facts = index.module_fqns, index.walk.modules, index.walk.params, index.param_facts
-        slot_fqn, excluded, owner, sharded = index.slot_fqn, r.excluded, r.owner, r.sharded
+        end = index.subtree_end[top]
+        first, last = index.slot_start[top], index.slot_start[end]
+        fqns, modules = index.module_fqns[top:end], index.walk.modules[top:end]
+        slot_fqn, pids = index.slot_fqn[first:last], index.walk.param_ids[first:last]
+        units, owner = r.units, r.owner
         for shape in shapes:
-            position = len(r.units)
-            numel = nbytes = 0
-            for s in shape.params:
-                pid = id(params[first + s])
-                _dtype, n, b, _hint, _grad = facts[pid]
-                numel += n
-                nbytes += b
-                excluded.add(pid)
-                owner[pid] = position
-            u = shape.unit
-            r.units.append(
-                Unit(
-                    modules=tuple(fqns[top + m] for m in shape.modules),
-                    params=tuple(slot_fqn[first + s] for s in shape.params),
-                    ignored_params=tuple(slot_fqn[first + s] for s in shape.ignored),
-                    kind=u.kind,
-                    storage_dtype=u.storage_dtype,
-                    compute_dtype=u.compute_dtype,
-                    mp_policy=u.mp_policy,
-                    offload_policy=u.offload_policy,
-                    reshard_after_forward=u.reshard_after_forward,
-                    numel=numel,
-                    nbytes=nbytes,
-                    mesh=u.mesh,
-                    reasons=u.reasons,
+            owned = list(map(pids.__getitem__, shape.params))
+            r.excluded.update(owned)
+            owner.update(dict.fromkeys(owned, len(units)))
+            units.append(
+                _renamed(
+                    shape.unit,
+                    tuple(map(fqns.__getitem__, shape.modules)),
+                    tuple(map(slot_fqn.__getitem__, shape.params)),
+                    tuple(map(slot_fqn.__getitem__, shape.ignored)),
                 )
             )
-            sharded.update(id(modules[top + m]) for m in shape.modules)
+            r.sharded.update(map(id, map(modules.__getitem__, shape.modules)))
 
     def plan(self, fqn: str, reshard: bool | int | None) -> None:
         """:func:`_plan_target` for a block (never the root), replayed when a
-        block of the same shape was planned before."""
+        block of the same shape was planned before: the previous block's,
+        compared part by part (the usual case: blocks come in a row), or
+        any earlier one's, looked up by the shape's hash."""
         r = self.r
         target = r.index.module(fqn, "shard_by_dtype target")
         top = r.index.walk.position[id(target)]
-        shape = None if id(target) in r.sharded else self.shape(top)
-        recorded = self.shapes.get(shape) if shape is not None else None
-        if recorded is not None:
-            self.replay(recorded, top)
+        parts = None if id(target) in r.sharded else self.parts(top)
+        if parts is not None and self.last is not None and parts == self.last[0]:
+            self.replay(self.last[1], top)
             return
-        before = len(r.units)
-        _plan_target(r, fqn, reshard, False)
-        if shape is not None and shape not in self.shapes:
-            self.record(shape, top, r.units[before:])
+        shape: Shape | None = None if parts is None else tuple(p if p is None else tuple(p) for p in parts)
+        recorded = self.shapes.get(shape) if shape is not None else None
+        if recorded is None:
+            before = len(r.units)
+            _plan_target(r, fqn, reshard, False)
+            if shape is not None and shape not in self.shapes:
+                self.record(shape, top, r.units[before:])
+            recorded = self.shapes.get(shape) if shape is not None else None
+        else:
+            self.replay(recorded, top)
+        self.last = (parts, recorded) if parts is not None and recorded is not None else None
+
+
+def _renamed(unit: Unit, modules: tuple[str, ...], params: tuple[str, ...], ignored: tuple[str, ...]) -> Unit:
+    """``dataclasses.replace(unit, modules=..., params=..., ignored_params=...)``
+    without its per-field introspection (a replayed model builds thousands
+    of units): a copy of the frozen instance's fields with three changed.
+    ``Unit`` has no ``__post_init__`` to run again."""
+    copy = object.__new__(Unit)
+    fields = copy.__dict__
+    fields.update(unit.__dict__)
+    fields["modules"], fields["params"], fields["ignored_params"] = modules, params, ignored
+    return copy
