@@ -87,7 +87,8 @@ def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
         >>> sorted(["layers.10", "layers.2"], key=natural_key)
         ['layers.2', 'layers.10']
     """
-    return tuple((0, int(s)) if _INDEX.fullmatch(s) else (1, s) for s in name.split("."))
+    # isdigit first: most segments are words, and the regex is the dearer test.
+    return tuple([(0, int(s)) if s.isdigit() and _INDEX.fullmatch(s) else (1, s) for s in name.split(".")])
 
 
 def index_runs(values: Iterable[int]) -> str:

@@ -9,6 +9,7 @@ import operator
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 
 import torch
 from torch import nn
@@ -317,10 +318,12 @@ def _outermost(fqn: str) -> str:
 
 def _blocks_of_classes(idx: ModelIndex, class_names: Collection[str]) -> tuple[str, ...]:
     """Modules whose class is one of ``class_names`` (wrappers seen
-    through), outermost first, in index order."""
+    through), outermost first, in index order. The classes are picked
+    once; the modules of theirs are then found at C level."""
+    wanted = {t for t in set(idx.module_types) if t.__name__ in class_names}
     found: list[str] = []
-    for fqn, cls in zip(idx.module_fqns, idx.module_types):
-        if cls.__name__ not in class_names or not fqn:
+    for fqn in compress(idx.module_fqns, map(wanted.__contains__, idx.module_types)):
+        if not fqn:
             continue
         fqn = _outermost(fqn)
         if fqn and not any(fqn == f or fqn.startswith(f + ".") for f in found[-1:]):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from operator import methodcaller
 
 from torch import nn
 
@@ -26,19 +27,30 @@ __all__ = ["mark_reduction"]
 
 
 def _matching(index: ModelIndex, patterns: Collection[str]) -> dict[str, list[str]]:
-    """Module FQNs matched by each glob, in one pass over the modules: a
-    combined regex rejects the (usual) non-matching FQN in one call."""
-    out: dict[str, list[str]] = {g: [] for g in patterns}
-    if not patterns:
-        return out
-    compiled = [(g, re.compile(fnmatch.translate(g))) for g in patterns]
-    any_glob = re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in patterns))
-    for fqn in index.modules:
-        if any_glob.match(fqn):
-            for g, rx in compiled:
-                if rx.match(fqn):
-                    out[g].append(fqn)
+    """Module FQNs matched by each glob, in index order. A glob's literal
+    head and tail (before its first wildcard, after its last) filter the
+    FQNs first, at C level; only those left are matched against the glob:
+    a model has thousands of modules and a glob matches a few of them."""
+    out: dict[str, list[str]] = {}
+    fqns = index.module_fqns
+    for glob in patterns:
+        head, tail = _literal_ends(glob)
+        candidates: Iterable[str] = fqns
+        if head:
+            candidates = filter(methodcaller("startswith", head), candidates)
+        if tail:
+            candidates = filter(methodcaller("endswith", tail), candidates)
+        out[glob] = list(filter(re.compile(fnmatch.translate(glob)).match, candidates))
     return out
+
+
+def _literal_ends(glob: str) -> tuple[str, str]:
+    """What every match of ``glob`` starts and ends with: the text before
+    its first wildcard character and after its last (``]`` counted as one,
+    so a literal ``]`` only shortens the tail)."""
+    first = min((i for i in map(glob.find, "*?[") if i >= 0), default=len(glob))
+    last = max(map(glob.rfind, "*?]"))
+    return glob[:first], glob[last + 1 :]
 
 
 def _holds_tensors(module: nn.Module) -> bool:
