@@ -225,9 +225,8 @@ def apply_resolved(
             checkpoint_module(find(fqn), **extra)
     if plan.expert_parallel is not None and moe_mesh is not None:
         split_experts(model, plan.expert_parallel, moe_mesh, hand_ep_mesh)
-    compute_of = {name: unit.compute_dtype for unit in plan.units for name in unit.params}
     fp32_modules = wholly_fp32_modules(
-        ((unit.modules, mods, unit.compute_dtype) for unit, mods in zip(plan.units, resolved)), compute_of, index
+        ((unit.modules, mods, unit.params, unit.compute_dtype) for unit, mods in zip(plan.units, resolved)), index
     )
     for unit, mods in zip(plan.units, resolved):
         kwargs = shard_kwargs(unit, moe if unit.mesh == "moe" else dense)

@@ -17,7 +17,7 @@ states' dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,32 +29,32 @@ __all__ = ["cast_inputs_to_fp32", "wholly_fp32_modules"]
 
 
 def wholly_fp32_modules(
-    units: Iterable[tuple[Sequence[str], Sequence[nn.Module], torch.dtype | None]],
-    compute_of: Mapping[str, torch.dtype | None],
+    units: Iterable[tuple[Sequence[str], Sequence[nn.Module], Sequence[str], torch.dtype | None]],
     index: ModelIndex | None = None,
 ) -> list[nn.Module]:
-    """The modules of fp32 units (``(module FQNs, modules, compute dtype)``)
-    whose every parameter, children's included, computes in fp32 by
-    ``compute_of`` (parameter FQN -> its unit's compute dtype). None where
-    every unit computes in fp32: activations are fp32 throughout.
+    """The modules of fp32 units (``(module FQNs, modules, parameter FQNs,
+    compute dtype)``) whose every parameter, children's included, belongs
+    to an fp32 unit. None where every unit computes in fp32: activations
+    are fp32 throughout.
 
     ``index``, the model's index as it is now, gives each module's
     parameter names as a slice of its slots instead of a walk of the
     module; it is used only on a plain tree (no tied parameter, no shared
     module), where the two agree name for name."""
     units = list(units)
-    if all(compute == torch.float32 for _fqns, _modules, compute in units):
+    if all(compute == torch.float32 for _fqns, _modules, _params, compute in units):
         return []
+    in_fp32 = {name for _fqns, _modules, params, compute in units if compute == torch.float32 for name in params}
     names_below = _from_index(index) if index is not None and not index.tied and not index.shared_modules else None
     found: list[nn.Module] = []
-    for fqns, modules, compute in units:
+    for fqns, modules, _params, compute in units:
         if compute != torch.float32:
             continue
         for fqn, module in zip(fqns, modules):
             names = names_below(module) if names_below is not None else None
             if names is None:
                 names = [f"{fqn}.{n}" if fqn else n for n, _p in module.named_parameters()]
-            if names and all(compute_of.get(n) == torch.float32 for n in names):
+            if names and in_fp32.issuperset(names):
                 found.append(module)
     return found
 

@@ -35,9 +35,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 def _found(model: nn.Module, index: ModelIndex | None) -> list[str]:
     plan = fsdptx.plan(model, fsdptx.shard_by_dtype, mp_policy=POLICY)
     built = ModelIndex.build(model)
-    compute_of = {name: unit.compute_dtype for unit in plan.units for name in unit.params}
-    units = [(u.modules, [built.modules[f] for f in u.modules], u.compute_dtype) for u in plan.units]
-    return [built.fqn_of(m) for m in wholly_fp32_modules(units, compute_of, index if index is None else built)]
+    units = [(u.modules, [built.modules[f] for f in u.modules], u.params, u.compute_dtype) for u in plan.units]
+    return [built.fqn_of(m) for m in wholly_fp32_modules(units, index if index is None else built)]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
