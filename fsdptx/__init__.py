@@ -33,7 +33,8 @@ from .model._index import PlanningError
 from .plan._compose import Transform, compose, plan
 from .plan._diff import PlanDiff, diff_plans
 from .plan._json import plan_from_json, plan_to_json
-from .plan._types import Checkpointing, ExpertParallel, Plan, Prefetch, Reduction, TPAssignment, TensorParallel, Unit
+from .plan._plan import Plan
+from .plan._types import Checkpointing, ExpertParallel, Prefetch, Reduction, TPAssignment, TensorParallel, Unit
 from .plan.transforms import (
     checkpoint_activations,
     expert_parallel,

@@ -37,7 +37,7 @@ from .core._torch_internals import (
     set_micro_pipeline_tp,
 )
 from .hf._patches import patch_is_packed_sequence
-from .plan._types import Plan
+from .plan._plan import Plan
 from .model._index import ModelIndex, discover_blocks, resolve_blocks
 from .plan._compose import Transform, compose, plan_indexed
 from .plan.transforms import (

@@ -26,7 +26,7 @@ from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions
 from ..core._meshes import ep_size, tp_mesh
 from ..model._index import ModelIndex
 from ..plan._json import described_style_problems
-from ..plan._types import Plan
+from ..plan._plan import Plan
 from ..plan._vouch import MarkTargets, reductions_by_module
 from ._experts import HandEpMesh, divide_expert_gradients, hand_ep_mesh, split_experts
 from ._inputs import cast_inputs_to_fp32, wholly_fp32_modules

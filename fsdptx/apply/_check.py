@@ -19,7 +19,8 @@ from ..core._meshes import moe_dp_dims, parallel_dims
 from ..model._index import ModelIndex
 from ..model._unit_checks import module_problems
 from ..plan.resolve import claim
-from ..plan._types import Checkpointing, Plan, Unit, marks_under_exclusions, preview
+from ..plan._plan import Plan
+from ..plan._types import Checkpointing, Unit, marks_under_exclusions, preview
 from ..plan._vouch import MarkTargets, settings_problems, vouched_modules
 from ._experts import HandEpMesh, expert_parallel_problems, hand_ep_mesh
 from ..tp._transform import check_tensor_parallel

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from ..core._meshes import ep_mesh, ep_size, moe_gradient_divide_factor
 from ..hf._expert_parallel import hf_dispatches_experts, install_hf_expert_dispatch
 from ..plan.transforms import EP_HOOK
-from ..plan._types import ExpertParallel, Plan, preview
+from ..plan._plan import Plan
+from ..plan._types import ExpertParallel, preview
 
 __all__ = [
     "HandEpMesh",

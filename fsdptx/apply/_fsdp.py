@@ -11,7 +11,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core._meshes import fsdp_mesh, moe_fsdp_mesh
-from ..plan._types import Plan, Unit
+from ..plan._plan import Plan
+from ..plan._types import Unit
 from ..core._policy import primitive_policy
 
 __all__ = [

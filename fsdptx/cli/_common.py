@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..core._meshes import KNOWN_DIMS, ParallelDims
 from ..core._names import collapse_keyed, join_names
 from ..core._torch_internals import StridedShard, local_tensor
-from ..plan._types import Plan
+from ..plan._plan import Plan
 from ._report import ParamShard, local_shape
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..plan._diff import diff_plans
 from ..plan._json import plan_from_document
-from ..plan._types import Plan
+from ..plan._plan import Plan
 
 __all__ = ["add_diff_parser", "run_diff"]
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from torch import nn
 
-from ..plan._types import Plan
+from ..plan._plan import Plan
 from ._memory import Trace, disable_kv_cache, rescale, steady_bytes, traced_steady
 from ._report import ParamShard, step_traffic
 

@@ -33,7 +33,9 @@ from ..core._sizes import format_bytes
 from ..plan._json import plan_document
 from ..plan._compose import compose
 from ..plan.transforms import mark_reduction, shard_across_blocks, shard_by_dtype
-from ..plan._types import Plan, _format_requests, reshards_after_forward
+from ..plan._format import format_requests
+from ..plan._plan import Plan
+from ..plan._types import reshards_after_forward
 from ..presets import PRESETS
 from ._common import UsageError, _DTYPES, _dtype, _one_line, _rows, mp_policy
 from ._diff import PlanFileError, add_diff_parser, run_diff
@@ -267,7 +269,7 @@ def render(data: dict[str, Any], p: Plan) -> str:
             lines.append(f"(!) shards padded by more than {PAD_FLAG_RATIO:.0%}: dim 0 is small or not divisible by the shard count")
     else:
         lines.append("no FSDP units")
-    lines += _format_requests(p)
+    lines += format_requests(p)
     if data["tp_replica_reductions"]:
         counts: dict[str, int] = {}
         for r in data["tp_replica_reductions"].values():

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from ..core._names import join_names
-from ..plan._types import Plan, Unit, reshards_after_forward
+from ..plan._plan import Plan
+from ..plan._types import Unit, reshards_after_forward
 
 __all__ = [
     "OPTIMIZER_STATES",

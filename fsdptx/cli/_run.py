@@ -14,7 +14,7 @@ from torch import nn
 
 from ..apply._apply import apply_plan
 from ..core._meshes import KNOWN_DIMS, MOE_KNOWN_DIMS, ParallelDims, ep_size, moe_fsdp_mesh
-from ..plan._types import Plan
+from ..plan._plan import Plan
 from ._report import ParamShard
 from ..presets import PRESETS, build_preset
 from ._memory import Trace, traced

@@ -28,7 +28,8 @@ from ..model._index import ModelIndex
 from ..model._unit_checks import container_classes
 from ..model._walk import ModelWalk, walk_model
 from ..plan.resolve import resolve_units
-from ..plan._types import CrossBlockRequest, DtypeRequest, Plan, Unit
+from ..plan._plan import Plan
+from ..plan._types import CrossBlockRequest, DtypeRequest, Unit
 
 __all__ = [
     "ParameterSet",

@@ -23,7 +23,8 @@ from ..core._args import require_module
 from ..core._policy import check_policy_dtypes
 from ..model._index import ModelIndex, PlanningError
 from ._kinds import reads_no_units as _reads_no_units, request_of as _request_of
-from ._types import Plan, Unit, marks_under_exclusions
+from ._plan import Plan
+from ._types import Unit, marks_under_exclusions
 from ._vouch import vouch, vouch_marks
 from .resolve import resolve_units
 

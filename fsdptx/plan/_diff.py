@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core._names import collapse_keyed, join_names
-from ._types import Plan, Unit
+from ._plan import Plan
+from ._types import Unit
 
 __all__ = ["PlanDiff", "diff_plans"]
 

@@ -9,7 +9,8 @@ The encoder is generic on purpose: it walks the fields of frozen dataclasses
 and knows a handful of leaf kinds (str/int/bool/None, tuples, mappings,
 torch dtypes, placements, FSDP policies, tensor-parallel styles). A field
 added to any Plan dataclass is serialized without touching this module; a
-dataclass added to :mod:`fsdptx.plan._types` is found by name.
+dataclass added to :mod:`fsdptx.plan._types` (or :mod:`fsdptx.plan._plan`)
+is found by name.
 
 Every dataclass or special object is a JSON object with a ``"__type__"``
 key; every other JSON object is a mapping, every JSON list a tuple.
@@ -39,8 +40,8 @@ from torch.distributed.tensor.parallel import (
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _types as _plan
-from ._types import Plan
+from . import _plan, _types
+from ._plan import Plan
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -66,14 +67,17 @@ _TORCH_DATACLASSES: dict[str, type] = {
 
 
 def _plan_dataclasses() -> dict[str, type]:
-    """Every dataclass defined in the Plan's module, by class name: read
-    when needed, so one added there later is decoded too."""
-    module = sys.modules[_plan.__name__]
-    return {
-        name: obj
-        for name, obj in vars(module).items()
-        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__
-    }
+    """Every dataclass defined in the Plan's module or its records' module,
+    by class name: read when needed, so one added there later is decoded
+    too."""
+    found: dict[str, type] = {}
+    for module in (sys.modules[_plan.__name__], sys.modules[_types.__name__]):
+        found.update(
+            (name, obj)
+            for name, obj in vars(module).items()
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__
+        )
+    return found
 
 
 class DescribedStyle(ParallelStyle):

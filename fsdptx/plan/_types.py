@@ -1,35 +1,28 @@
-"""The Plan: immutable, comparable, printable description of how to shard a model.
+"""The records a Plan is made of: units, the requests transforms keep,
+tensor/expert parallelism, checkpointing, prefetch, TP-replica reductions,
+and the few helpers every layer reads them with.
 
-A Plan names modules and parameters by FQN only (never by object), so it can be
-built without touching the model, compared in tests, printed for review, and
-applied later by :func:`fsdptx.apply_plan`.
+Like the Plan (:mod:`fsdptx.plan._plan`), every record names modules and
+parameters by FQN only, never by object, and is immutable and comparable.
+This module imports no other fsdptx module, so anything in fsdptx can import
+it without a cycle; rendering a Plan as text is :mod:`fsdptx.plan._format`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard
+from typing import Literal, Protocol, TypeGuard
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
-
-from ..core._names import ROOT, collapse_keyed, collapse_names, index_runs, join_names
-from ..core._sizes import format_bytes
-
-if TYPE_CHECKING:
-    # For the annotation of Plan.scratch only: model is below plan, so this
-    # is no upward edge, and nothing is imported at run time.
-    from ..model._index import ModelIndex
 
 __all__ = [
     "Checkpointing",
     "CrossBlockRequest",
     "DtypeRequest",
     "ExpertParallel",
-    "Plan",
     "Prefetch",
     "REDUCTIONS",
     "Reduction",
@@ -323,102 +316,12 @@ class FrozenReductions(Mapping[str, Reduction]):
 class Verification(Protocol):
     """What a Plan's ``verified`` holds: :class:`fsdptx.plan._vouch.Vouched`,
     described here by what every reader checks first (that it vouches for
-    these very ``units``), since ``_vouch`` imports this module and the
-    class itself cannot be named here without a cycle."""
+    these very ``units``), since ``_vouch`` imports this module and
+    :mod:`fsdptx.plan._plan`, so the class itself cannot be named in either
+    without a cycle."""
 
     @property
     def units(self) -> tuple[Unit, ...]: ...
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Immutable result of planning; ``units`` are in application order
-    (children before parents). ``reductions`` maps parameter FQN to its
-    TP-replica gradient reduction; ``exclusions`` are module FQNs whose subtree
-    stays rank-local. ``mp_policy``/``offload_policy``/``reshard_after_forward``
-    are the defaults transforms start from (``None`` policy: mixed precision
-    disabled).
-
-    Attributes:
-        units: the FSDP units, in application order.
-        reductions: parameter FQN -> ``"mean"`` or ``"sum"``.
-        exclusions: module FQNs kept out of TP-replica sync.
-        mp_policy: the default policy transforms start from.
-        offload_policy: the default offload policy.
-        reshard_after_forward: the default reshard setting.
-        dtype_request: what ``shard_by_dtype`` asked for, if anything.
-        cross_block_requests: what ``shard_across_blocks`` asked for.
-        tensor_parallel: the TP request, resolved per module.
-        checkpointing: the activation-checkpointing request.
-        prefetch: the explicit prefetch chains.
-        reduce_unused_params: whether units reduce-scatter zeros for unused
-            parameters.
-        expert_modules: module FQNs of experts, sharded over the MoE mesh.
-        warnings: what a reader must know before trusting the plan.
-        scratch: planning's model index; ``None`` outside ``plan()``.
-        verified: what planning vouched for; not part of the value.
-
-    Example::
-
-        p = fsdptx.plan(model, fsdptx.shard_by_dtype)
-        print(p)  # one row per unit
-        assert p == fsdptx.plan_from_json(fsdptx.plan_to_json(p))
-    """
-
-    units: tuple[Unit, ...] = ()
-    reductions: Mapping[str, Reduction] = field(default_factory=FrozenReductions)
-    exclusions: tuple[str, ...] = ()
-    mp_policy: MixedPrecisionPolicy | None = None
-    offload_policy: OffloadPolicy | None = field(default=None, hash=False)
-    reshard_after_forward: bool | int | None = None
-    dtype_request: DtypeRequest | None = None
-    cross_block_requests: tuple[CrossBlockRequest, ...] = ()
-    tensor_parallel: TensorParallel | None = None
-    checkpointing: Checkpointing | None = None
-    prefetch: tuple[Prefetch, ...] = ()
-    # Refinement for context parallelism: a CP rank may not use every
-    # parameter, so units reduce-scatter zeros for unused ones (no hang).
-    reduce_unused_params: bool = False
-    # Module FQN globs of expert modules, sharded over the MoE mesh.
-    expert_modules: tuple[str, ...] = ()
-    # Experts split by expert across the MoE mesh's ``ep`` dim.
-    expert_parallel: ExpertParallel | None = None
-    # What a reader must know before trusting the plan (no blocks found,
-    # say); str(plan) prints these first and FSDP2Manager logs them.
-    warnings: tuple[str, ...] = ()
-    # Read-only index of the model being planned, shared by the transforms of
-    # one fsdptx.plan() call so the model is walked once; plan() drops it
-    # before returning. Not part of the Plan's value.
-    scratch: ModelIndex | None = field(default=None, compare=False, repr=False)
-    # What planning vouches for (fsdptx.plan._vouch.Vouched): the
-    # signature of the model these very units were resolved against, so
-    # apply_plan can skip re-deriving their claims while the model is
-    # unchanged. Not part of the Plan's value; new units drop its use.
-    verified: Verification | None = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "units", tuple(self.units))
-        object.__setattr__(self, "exclusions", tuple(self.exclusions))
-        object.__setattr__(self, "prefetch", tuple(self.prefetch))
-        if not isinstance(self.reductions, FrozenReductions):
-            object.__setattr__(self, "reductions", FrozenReductions(self.reductions))
-
-    def __getstate__(self) -> dict[str, object]:
-        """Copies and pickles leave ``scratch`` and ``verified`` behind: both
-        refer to live objects of this process, so a copy is checked in full."""
-        return {**self.__dict__, "scratch": None, "verified": None}
-
-    def replace(self, **changes: Any) -> Plan:
-        """A copy with ``changes``; the Plan itself never changes."""
-        return dataclasses.replace(self, **changes)
-
-    @property
-    def owned_params(self) -> dict[str, int]:
-        """Parameter FQN -> index of the unit that owns it."""
-        return {p: i for i, u in enumerate(self.units) for p in u.params}
-
-    def __str__(self) -> str:
-        return format_plan(self)
 
 
 def preview(items: Sequence[str], n: int = 3) -> str:
@@ -476,110 +379,3 @@ def reshards_after_forward(unit: Unit) -> bool:
     if isinstance(r, bool):
         return r
     return r != 1
-
-
-def _dtype_name(d: torch.dtype | None) -> str:
-    return "-" if d is None else str(d).removeprefix("torch.")
-
-
-def format_plan(plan: Plan) -> str:
-    """Render the plan as a fixed-width table, one row per unit in order."""
-    header: tuple[str, ...] = ("#", "kind", "modules", "storage->compute", "params", "numel", "bytes", "reshard")
-    why = any(u.reasons for u in plan.units)
-    if why:
-        header += ("why",)
-    rows = [header]
-    for i, u in enumerate(plan.units):
-        row: tuple[str, ...] = (
-            str(i),
-            u.kind,
-            join_names(u.modules),
-            "-" if u.storage_dtype is None else f"{_dtype_name(u.storage_dtype)}->{_dtype_name(u.compute_dtype)}",
-            str(len(u.params)),
-            f"{u.numel:,}",
-            format_bytes(u.nbytes),
-            _reshard_cell(u),
-        )
-        rows.append(row + ("; ".join(u.reasons),) if why else row)
-    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-    lines = [f"warning: {w}" for w in plan.warnings]
-    table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    table.insert(1, "  ".join("-" * w for w in widths))
-    lines.extend(table)
-    total = sum(u.nbytes for u in plan.units)
-    lines.append(f"{len(plan.units)} units, {format_bytes(total)} of parameters")
-    if any(u.mesh != "dp" for u in plan.units):
-        moe = [i for i, u in enumerate(plan.units) if u.mesh == "moe"]
-        lines.append(f"sharded over the MoE mesh: units {index_runs(moe)}; all others over the dense mesh")
-    lines.extend(_format_requests(plan))
-    if plan.reductions:
-        counts = {r: sum(1 for v in plan.reductions.values() if v == r) for r in REDUCTIONS}
-        lines.append(
-            "tp-replica reductions: "
-            + ", ".join(f"{n} {r}" for r, n in counts.items() if n)
-            + " (unmarked replicated params: mean)"
-        )
-    if plan.exclusions:
-        lines.append("excluded from tp-replica sync: " + join_names(plan.exclusions))
-    return "\n".join(lines)
-
-
-def _reshard_cell(u: Unit) -> str:
-    r = u.reshard_after_forward
-    if type(r) is int and r > 1:
-        return f"to {r} ranks"
-    return str(reshards_after_forward(u))
-
-
-def _format_stream(steps: tuple[StreamStep, ...]) -> list[str]:
-    """The residual stream in forward order, one row per pattern (block
-    indices as ``*``): what each module receives and hands on, and what
-    the sequence-layout pass added there."""
-    if not steps:
-        return []
-    rows = collapse_keyed((s.module, (s.role, s.takes, s.gives, s.added or "")) for s in steps)
-    width = max(len(label) for label, _key, _names in rows)
-    out = ["  stream (forward order): module  role  receives -> hands on  [added]"]
-    for label, (role, takes, gives, added), _names in rows:
-        extra = f"  [{added}]" if added else ""
-        out.append(f"    {label.ljust(width)}  {role}: {takes} -> {gives}{extra}")
-    return out
-
-
-def _format_requests(plan: Plan) -> list[str]:
-    """The non-FSDP content of the Plan: TP styles, checkpointing, prefetch."""
-    lines: list[str] = []
-    tp = plan.tensor_parallel
-    if tp is not None:
-        rows = collapse_keyed((a.module, a.style) for a in tp.assignments)
-        sp = " with sequence parallelism" if tp.sequence_parallel else ""
-        lines.append(f"tensor parallel{sp}: {len(tp.assignments)} modules")
-        width = max((len(label) for label, _style, _names in rows), default=0)
-        for label, style, _names in rows:
-            lines.append(f"  {label.ljust(width)}  {style}")
-        for pattern, style, why in tp.skipped:
-            lines.append(f"  {pattern.ljust(width)}  {style}: not a torch style, {why}")
-        if tp.loss_parallel:
-            lines.append("  loss parallel: the head's logits stay vocabulary-sharded; compute the loss under fsdptx.loss_parallel()")
-        lines.extend(_format_stream(tp.stream))
-    if plan.expert_parallel is not None:
-        ep = plan.expert_parallel
-        counts = sorted(set(ep.num_experts))
-        lines.append(
-            f"expert parallel: {len(ep.modules)} expert modules ({'/'.join(map(str, counts))} experts each), "
-            f"{len(ep.params)} params Shard(0) over the moe mesh's ep dim, then FSDP over its data-parallel dims"
-        )
-        lines.extend(f"  {m}  Shard(0) on ep" for m in collapse_names(ep.modules))
-    if plan.checkpointing is not None:
-        ac = plan.checkpointing
-        lines.append(f"activation checkpointing ({ac.mode}): " + join_names(ac.modules))
-    if plan.prefetch:
-        fwd = max(len(p.forward) for p in plan.prefetch)
-        bwd = max(len(p.backward) for p in plan.prefetch)
-        lines.append(
-            f"explicit prefetch: {len(plan.prefetch)} units, forward depth {fwd}, backward depth {bwd} "
-            f"(e.g. {plan.prefetch[0].unit or ROOT} -> {', '.join(plan.prefetch[0].forward) or '-'})"
-        )
-    if plan.reduce_unused_params:
-        lines.append("unused parameters: every unit reduce-scatters zeros for them (context parallelism)")
-    return lines

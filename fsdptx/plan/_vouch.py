@@ -21,7 +21,8 @@ from ._types import Reduction
 
 if TYPE_CHECKING:
     from ..model._index import ModelIndex
-    from ._types import Plan, Unit, Verification
+    from ._plan import Plan
+    from ._types import Unit, Verification
 
 __all__ = [
     "MarkTargets",

@@ -21,7 +21,7 @@ import pytest
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..plan._types import Plan
+    from ..plan._plan import Plan
     from ._collectives import Collective
 
 SNAPSHOT_DIR = "__plan_snapshots__"

@@ -21,7 +21,8 @@ from ..model._index import ModelIndex, PlanningError
 from ..plan._kinds import unit_blind
 from ..plan._compose import model_index
 from ..plan.transforms import block_fqns
-from ..plan._types import Plan, Reduction, TensorParallel, TPAssignment, preview
+from ..plan._plan import Plan
+from ..plan._types import Reduction, TensorParallel, TPAssignment, preview
 from ._experts import EXPERT_PARAM_STYLES, EXPERTS_STYLE, ExpertsParallel, expert_split_dim
 from ._layout import StyleSpec, output_head_module, sequence_layout
 from ._styles import REPLICA_SUM_STYLES, STYLE_NAMES, UNSUPPORTED_STYLES, describe_style, experts_pairing_problems

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fsdptx.cli._main import main
-from fsdptx.plan._types import Plan
+from fsdptx.plan._plan import Plan
 from fsdptx.cli._report import step_traffic
 from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import build_preset

@@ -15,7 +15,7 @@ import torch
 from fsdptx.cli import _run as _cli  # the dry run reads its apply budget there
 from fsdptx.cli._common import param_shards
 from fsdptx.cli._main import main
-from fsdptx.plan._types import Plan
+from fsdptx.plan._plan import Plan
 from fsdptx.cli._report import OPTIMIZER_STATES, ParamShard, local_shape, memory_plan
 from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import Decoder, DecoderConfig

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdptx import apply_plan
 from fsdptx.cli._main import DEFAULT_PIPELINE
-from fsdptx.plan._types import Plan
+from fsdptx.plan._plan import Plan
 from fsdptx.cli._report import UnitTraffic, step_traffic
 from fsdptx.plan._compose import plan
 from fsdptx.presets import Decoder, DecoderConfig

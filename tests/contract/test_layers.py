@@ -177,7 +177,7 @@ def test_no_import_cycles_between_modules() -> None:
 @pytest.mark.parametrize(
     ("source", "text", "expected"),
     [
-        ("core/_tree.py", "from ..plan._types import Plan\n", "(core) imports fsdptx.plan._types (plan)"),
+        ("core/_tree.py", "from ..plan._plan import Plan\n", "(core) imports fsdptx.plan._plan (plan)"),
         ("model/_walk.py", "def f():\n    from ..tp import tensor_parallel\n", "(model) imports fsdptx.tp (tp)"),
         ("plan/_types.py", "import fsdptx.apply._apply\n", "(plan) imports fsdptx.apply._apply (apply)"),
         ("hf/_build.py", "from fsdptx.model import _walk\n", "hf imports core only"),

@@ -17,7 +17,8 @@ import fsdptx
 from fsdptx.cli._main import main
 from fsdptx.plan import _types as plan_types  # the package fsdptx.plan is shadowed by the function fsdptx.plan
 from fsdptx.plan._json import DescribedStyle
-from fsdptx.plan._types import Plan, TensorParallel, TPAssignment
+from fsdptx.plan._plan import Plan
+from fsdptx.plan._types import TensorParallel, TPAssignment
 from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import fake_mesh
 

@@ -19,7 +19,8 @@ from ...hf._expert_parallel import hf_dispatches_experts
 from ...model._index import PlanningError
 from .._compose import model_index
 from .._kinds import unit_blind
-from .._types import ExpertParallel, Plan, preview
+from .._plan import Plan
+from .._types import ExpertParallel, preview
 from ._shard import _experts
 
 __all__ = ["EP_HOOK", "expert_parallel"]

@@ -21,7 +21,8 @@ from ...hf import hf_replica_reductions
 from ...model._index import ModelIndex, PlanningError
 from .._compose import model_index
 from .._kinds import unit_blind
-from .._types import REDUCTIONS, Plan, Reduction, is_reduction, preview
+from .._plan import Plan
+from .._types import REDUCTIONS, Reduction, is_reduction, preview
 
 __all__ = ["mark_reduction"]
 

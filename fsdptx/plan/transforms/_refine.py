@@ -14,7 +14,8 @@ from ...core._names import Names
 from ...model._index import PlanningError
 from .._compose import model_index
 from .._kinds import unit_blind
-from .._types import Checkpointing, CheckpointMode, Plan, Prefetch, Unit
+from .._plan import Plan
+from .._types import Checkpointing, CheckpointMode, Prefetch, Unit
 from ._shard import block_fqns
 
 __all__ = [

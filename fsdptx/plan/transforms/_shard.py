@@ -20,7 +20,8 @@ from ...hf import hf_fp32_compute_tokens
 from ...model._index import ModelIndex, PlanningError, resolve_blocks
 from .._compose import _resolve, model_index
 from .._kinds import request_transform
-from .._types import CrossBlockRequest, DtypeRequest, Plan, preview
+from .._plan import Plan
+from .._types import CrossBlockRequest, DtypeRequest, preview
 
 __all__ = ["block_fqns", "check_reshard", "shard_across_blocks", "shard_by_dtype", "sharding_transform"]
 

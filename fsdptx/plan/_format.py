@@ -1,0 +1,173 @@
+"""Rendering a Plan as text: the fixed-width table ``str(plan)`` prints, and
+the lines for its requests beyond FSDP units (tensor and expert parallelism,
+checkpointing, prefetch), which ``python -m fsdptx plan`` prints as well.
+
+Kept out of :mod:`fsdptx.plan._types` so that the records import no fsdptx
+module (rendering needs ``core``'s name and size formatters). The Plan
+(:mod:`fsdptx.plan._plan`) imports this module for ``__str__``, so this one
+names the Plan only through :class:`PlanView`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from ..core._names import ROOT, collapse_keyed, collapse_names, index_runs, join_names
+from ..core._sizes import format_bytes
+from ._types import (
+    REDUCTIONS,
+    Checkpointing,
+    ExpertParallel,
+    Prefetch,
+    Reduction,
+    StreamStep,
+    TensorParallel,
+    Unit,
+    reshards_after_forward,
+)
+
+__all__ = ["PlanView", "format_plan", "format_requests"]
+
+
+class PlanView(Protocol):
+    """The Plan as rendering reads it: exactly the attributes used here,
+    read-only. The Plan class (:mod:`fsdptx.plan._plan`) imports this module
+    to render itself in ``__str__``, so this module cannot import the Plan
+    without an import cycle; any :class:`~fsdptx.Plan` satisfies this."""
+
+    @property
+    def units(self) -> tuple[Unit, ...]: ...
+
+    @property
+    def warnings(self) -> tuple[str, ...]: ...
+
+    @property
+    def reductions(self) -> Mapping[str, Reduction]: ...
+
+    @property
+    def exclusions(self) -> tuple[str, ...]: ...
+
+    @property
+    def tensor_parallel(self) -> TensorParallel | None: ...
+
+    @property
+    def expert_parallel(self) -> ExpertParallel | None: ...
+
+    @property
+    def checkpointing(self) -> Checkpointing | None: ...
+
+    @property
+    def prefetch(self) -> tuple[Prefetch, ...]: ...
+
+    @property
+    def reduce_unused_params(self) -> bool: ...
+
+
+def _dtype_name(d: torch.dtype | None) -> str:
+    return "-" if d is None else str(d).removeprefix("torch.")
+
+
+def format_plan(plan: PlanView) -> str:
+    """Render the plan as a fixed-width table, one row per unit in order."""
+    header: tuple[str, ...] = ("#", "kind", "modules", "storage->compute", "params", "numel", "bytes", "reshard")
+    why = any(u.reasons for u in plan.units)
+    if why:
+        header += ("why",)
+    rows = [header]
+    for i, u in enumerate(plan.units):
+        row: tuple[str, ...] = (
+            str(i),
+            u.kind,
+            join_names(u.modules),
+            "-" if u.storage_dtype is None else f"{_dtype_name(u.storage_dtype)}->{_dtype_name(u.compute_dtype)}",
+            str(len(u.params)),
+            f"{u.numel:,}",
+            format_bytes(u.nbytes),
+            _reshard_cell(u),
+        )
+        rows.append(row + ("; ".join(u.reasons),) if why else row)
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    lines = [f"warning: {w}" for w in plan.warnings]
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    table.insert(1, "  ".join("-" * w for w in widths))
+    lines.extend(table)
+    total = sum(u.nbytes for u in plan.units)
+    lines.append(f"{len(plan.units)} units, {format_bytes(total)} of parameters")
+    if any(u.mesh != "dp" for u in plan.units):
+        moe = [i for i, u in enumerate(plan.units) if u.mesh == "moe"]
+        lines.append(f"sharded over the MoE mesh: units {index_runs(moe)}; all others over the dense mesh")
+    lines.extend(format_requests(plan))
+    if plan.reductions:
+        counts = {r: sum(1 for v in plan.reductions.values() if v == r) for r in REDUCTIONS}
+        lines.append(
+            "tp-replica reductions: "
+            + ", ".join(f"{n} {r}" for r, n in counts.items() if n)
+            + " (unmarked replicated params: mean)"
+        )
+    if plan.exclusions:
+        lines.append("excluded from tp-replica sync: " + join_names(plan.exclusions))
+    return "\n".join(lines)
+
+
+def _reshard_cell(u: Unit) -> str:
+    r = u.reshard_after_forward
+    if type(r) is int and r > 1:
+        return f"to {r} ranks"
+    return str(reshards_after_forward(u))
+
+
+def _format_stream(steps: tuple[StreamStep, ...]) -> list[str]:
+    """The residual stream in forward order, one row per pattern (block
+    indices as ``*``): what each module receives and hands on, and what
+    the sequence-layout pass added there."""
+    if not steps:
+        return []
+    rows = collapse_keyed((s.module, (s.role, s.takes, s.gives, s.added or "")) for s in steps)
+    width = max(len(label) for label, _key, _names in rows)
+    out = ["  stream (forward order): module  role  receives -> hands on  [added]"]
+    for label, (role, takes, gives, added), _names in rows:
+        extra = f"  [{added}]" if added else ""
+        out.append(f"    {label.ljust(width)}  {role}: {takes} -> {gives}{extra}")
+    return out
+
+
+def format_requests(plan: PlanView) -> list[str]:
+    """The non-FSDP content of the Plan: TP styles, checkpointing, prefetch."""
+    lines: list[str] = []
+    tp = plan.tensor_parallel
+    if tp is not None:
+        rows = collapse_keyed((a.module, a.style) for a in tp.assignments)
+        sp = " with sequence parallelism" if tp.sequence_parallel else ""
+        lines.append(f"tensor parallel{sp}: {len(tp.assignments)} modules")
+        width = max((len(label) for label, _style, _names in rows), default=0)
+        for label, style, _names in rows:
+            lines.append(f"  {label.ljust(width)}  {style}")
+        for pattern, style, why in tp.skipped:
+            lines.append(f"  {pattern.ljust(width)}  {style}: not a torch style, {why}")
+        if tp.loss_parallel:
+            lines.append("  loss parallel: the head's logits stay vocabulary-sharded; compute the loss under fsdptx.loss_parallel()")
+        lines.extend(_format_stream(tp.stream))
+    if plan.expert_parallel is not None:
+        ep = plan.expert_parallel
+        counts = sorted(set(ep.num_experts))
+        lines.append(
+            f"expert parallel: {len(ep.modules)} expert modules ({'/'.join(map(str, counts))} experts each), "
+            f"{len(ep.params)} params Shard(0) over the moe mesh's ep dim, then FSDP over its data-parallel dims"
+        )
+        lines.extend(f"  {m}  Shard(0) on ep" for m in collapse_names(ep.modules))
+    if plan.checkpointing is not None:
+        ac = plan.checkpointing
+        lines.append(f"activation checkpointing ({ac.mode}): " + join_names(ac.modules))
+    if plan.prefetch:
+        fwd = max(len(p.forward) for p in plan.prefetch)
+        bwd = max(len(p.backward) for p in plan.prefetch)
+        lines.append(
+            f"explicit prefetch: {len(plan.prefetch)} units, forward depth {fwd}, backward depth {bwd} "
+            f"(e.g. {plan.prefetch[0].unit or ROOT} -> {', '.join(plan.prefetch[0].forward) or '-'})"
+        )
+    if plan.reduce_unused_params:
+        lines.append("unused parameters: every unit reduce-scatters zeros for them (context parallelism)")
+    return lines
