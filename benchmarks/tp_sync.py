@@ -72,7 +72,7 @@ COLLECTIVE_TIMEOUT_S = 60.0
 JOIN_TIMEOUT_S = 300.0
 
 TARGET_SPEEDUP = 10.0
-TARGET_LIMIT_RATIO = 1.5
+TARGET_LIMIT_RATIO = 1.3  # issue 20: the median over rounds of fsdptx / floor
 
 
 # --------------------------------------------------------------------------- model
@@ -477,12 +477,13 @@ def report(
         )
     ratios = [r["ratio"][1] for r in rounds]
     speedups = [r["speedup"][1] for r in rounds]
-    ratio_met = "met" if max(ratios) <= TARGET_LIMIT_RATIO else "NOT met"
+    over_rounds = statistics.median(ratios)
+    ratio_met = "met" if over_rounds <= TARGET_LIMIT_RATIO else "NOT met"
     speedup_met = "met" if min(speedups) >= TARGET_SPEEDUP else "NOT met"
     print(
         f"\nmedians of per-run ratios, spread over {len(rounds)} rounds: "
-        f"fsdptx / floor {min(ratios):.2f}x..{max(ratios):.2f}x "
-        f"(target <= {TARGET_LIMIT_RATIO}x in every round: {ratio_met}); "
+        f"fsdptx / floor {min(ratios):.2f}x..{max(ratios):.2f}x, median over rounds {over_rounds:.2f}x "
+        f"(target <= {TARGET_LIMIT_RATIO}x: {ratio_met}); "
         f"per-param / fsdptx {min(speedups):.1f}x..{max(speedups):.1f}x "
         f"(target >= {TARGET_SPEEDUP:.0f}x in every round: {speedup_met})"
     )
