@@ -62,11 +62,14 @@ def wholly_fp32_modules(
 def _from_index(index: ModelIndex) -> Callable[[nn.Module], list[str] | None]:
     """The parameter FQNs of a module's subtree, read from ``index``'s
     slots (``None`` for a module the index did not walk)."""
-    position, start, end, slot_fqn = index.walk.position, index.slot_start, index.subtree_end, index.slot_fqn
+    position, slot_fqn = index.walk.position, index.slot_fqn
 
     def names(module: nn.Module) -> list[str] | None:
         at = position.get(id(module))
-        return None if at is None else slot_fqn[start[at] : start[end[at]]]
+        if at is None:
+            return None
+        first, end = index.subtree_slots(at)
+        return slot_fqn[first:end]
 
     return names
 

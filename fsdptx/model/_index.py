@@ -212,6 +212,11 @@ class ModelIndex:
         """Module id -> FQN, for lookups that may miss (built on first use)."""
         return {id(m): f for m, f in zip(self.walk.modules, self.module_fqns)}
 
+    def subtree_slots(self, at: int) -> tuple[int, int]:
+        """The parameter slots of the subtree at walk position ``at``, as
+        ``(first, end)``: a subtree's slots are contiguous in pre-order."""
+        return self.slot_start[at], self.slot_start[self.subtree_end[at]]
+
     def direct_param_fqns(self, fqn: str) -> list[str]:
         """Canonical FQNs of the direct parameters of module ``fqn``, from
         the walk's slots: reading the module's ``_parameters`` again would

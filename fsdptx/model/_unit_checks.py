@@ -16,19 +16,19 @@ __all__ = ["container_classes", "is_container", "module_problems", "refused_clas
 
 def is_container(module: nn.Module) -> bool:
     """``fully_shard`` rejects ModuleList/ModuleDict that do not define forward."""
-    return (
-        isinstance(module, (nn.ModuleList, nn.ModuleDict))
-        and type(module).forward is nn.Module.forward
-    )
+    return _container_class(type(module))
+
+
+def _container_class(cls: type) -> bool:
+    """Whether modules of class ``cls`` are containers (:func:`is_container`)."""
+    return issubclass(cls, (nn.ModuleList, nn.ModuleDict)) and cls.forward is nn.Module.forward
 
 
 def refused_class(cls: type) -> bool:
     """Whether ``fully_shard`` refuses every module of class ``cls`` as a
     unit module (:func:`module_problems` says why): an FSDP module, or a
     ModuleList/ModuleDict without forward."""
-    return issubclass(cls, FSDPModule) or (
-        issubclass(cls, (nn.ModuleList, nn.ModuleDict)) and cls.forward is nn.Module.forward
-    )
+    return issubclass(cls, FSDPModule) or _container_class(cls)
 
 
 def container_classes(types: Iterable[type]) -> frozenset[tuple[type, bool]]:
@@ -37,7 +37,7 @@ def container_classes(types: Iterable[type]) -> frozenset[tuple[type, bool]]:
     ``forward``, which a patch may add or remove after a class was seen:
     whatever is derived from classes by identity keeps this next to them."""
     return frozenset(
-        (t, t.forward is nn.Module.forward) for t in set(types) if issubclass(t, (nn.ModuleList, nn.ModuleDict))
+        (t, _container_class(t)) for t in set(types) if issubclass(t, (nn.ModuleList, nn.ModuleDict))
     )
 
 

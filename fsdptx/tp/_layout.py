@@ -247,7 +247,8 @@ def _holds_params(index: ModelIndex, fqn: str) -> bool:
     if module is None:
         return False
     at = index.walk.position[id(module)]
-    return index.slot_start[index.subtree_end[at]] > index.slot_start[at]
+    first, end = index.subtree_slots(at)
+    return end > first
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -54,7 +54,8 @@ def _tied_outside(index: ModelIndex, fqn: str, targets: Sequence[str]) -> bool:
     naming both names (no common unit short of the root would hold it)."""
     top = index.walk.position[id(index.modules[fqn])]
     blocks = tuple(t + "." for t in targets if t)
-    for p in index.walk.params[index.slot_start[top] : index.slot_start[index.subtree_end[top]]]:
+    first, end = index.subtree_slots(top)
+    for p in index.walk.params[first:end]:
         if id(p) in index.aliases and any(not n.startswith(blocks) for n in index.names(p)):
             return True
     return False

@@ -65,7 +65,7 @@ class _BlockReplay:
         if index.shared_modules:
             return None
         walk, end = index.walk, index.subtree_end[top]
-        first, last = index.slot_start[top], index.slot_start[end]
+        first, last = index.subtree_slots(top)
         pids = walk.param_ids[first:last]
         if index.aliases and not index.aliases.keys().isdisjoint(pids):
             return None
@@ -89,7 +89,7 @@ class _BlockReplay:
         """Remember the units the full planning just made for the block at
         ``top``; a unit naming anything outside the block is not replayable."""
         index = self.r.index
-        first, last = index.slot_start[top], index.slot_start[index.subtree_end[top]]
+        first, last = index.subtree_slots(top)
         slot_of = {f: i - first for i, f in enumerate(index.slot_fqn[first:last], first)}
         position = index.walk.position
         try:
@@ -112,7 +112,7 @@ class _BlockReplay:
         dtype and numel."""
         r, index = self.r, self.r.index
         end = index.subtree_end[top]
-        first, last = index.slot_start[top], index.slot_start[end]
+        first, last = index.subtree_slots(top)
         fqns, modules = index.module_fqns[top:end], index.walk.modules[top:end]
         slot_fqn, pids = index.slot_fqn[first:last], index.walk.param_ids[first:last]
         units, owner = r.units, r.owner
