@@ -534,9 +534,9 @@ def _replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     original = _replay._BlockReplay.replay
 
-    def counting(self: _replay._BlockReplay, shapes: Any, top: int) -> None:
-        seen.append(top)
-        original(self, shapes, top)
+    def counting(self: _replay._BlockReplay, shapes: Any, tops: range) -> None:
+        seen.extend(tops)
+        original(self, shapes, tops)
 
     monkeypatch.setattr(_replay._BlockReplay, "replay", counting)
     return seen

@@ -24,6 +24,7 @@ def plan_dtype_units(r: _Resolver, request: DtypeRequest, *, replay_blocks: bool
     from, so it skips recording shapes."""
     index = r.index
     replay = _BlockReplay(r) if replay_blocks and len(request.targets) > 1 else None
+    pending: list[str] = []  # blocks for replay to plan, in order, before the next plain target
     for fqn in request.targets:
         target = index.module(fqn, "shard_by_dtype target")
         if id(target) in index.sharded:
@@ -36,9 +37,14 @@ def plan_dtype_units(r: _Resolver, request: DtypeRequest, *, replay_blocks: bool
             if element and index.tied and _tied_outside(index, element, request.targets):
                 continue  # the enclosing unit owns the tie: see _tied_outside
             if replay is not None and not is_root:
-                replay.plan(element, request.reshard_after_forward)
-            else:
-                _plan_target(r, element, request.reshard_after_forward, is_root)
+                pending.append(element)
+                continue
+            if replay is not None and pending:
+                replay.plan_blocks(pending, request.reshard_after_forward)
+                pending = []
+            _plan_target(r, element, request.reshard_after_forward, is_root)
+    if replay is not None and pending:
+        replay.plan_blocks(pending, request.reshard_after_forward)
 
 
 def _tied_outside(index: ModelIndex, fqn: str, targets: Sequence[str]) -> bool:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
+from ...model._index import ModelIndex
 from .._types import Unit
 from ._resolver import _plan_target, _Resolver
 
@@ -46,7 +48,9 @@ class _BlockReplay:
     sharded already. Two blocks with equal shapes get the same units up to
     the block's FQN prefix (a common prefix keeps name order), so the
     second one onward costs a comparison and the units' construction instead
-    of surveys and descents. A block holding a tied parameter, a model with
+    of surveys and descents; a run of such blocks laid out one after another
+    costs one comparison of shifted columns and the units' construction
+    (:meth:`plan_blocks`). A block holding a tied parameter, a model with
     shared modules, and every error take the full planning.
     """
 
@@ -105,42 +109,129 @@ class _BlockReplay:
         except KeyError:
             self.shapes[shape] = None
 
-    def replay(self, shapes: tuple[_UnitShape, ...], top: int) -> None:
-        """Add the recorded units for the block at ``top``, with the effects
-        :meth:`_Resolver.add` has: its parameters owned, its modules sharded.
-        The units' sizes are the recorded ones: the shape holds every slot's
-        dtype and numel."""
+    def replay(self, shapes: tuple[_UnitShape, ...], tops: range) -> None:
+        """Add the recorded units for the blocks at walk positions ``tops``
+        (a step of one block's module count: blocks laid out one after
+        another, each holding as many slots as the first), block by block,
+        with the effects :meth:`_Resolver.add` has: their parameters owned,
+        their modules sharded. The units' sizes are the recorded ones: the
+        shape holds every slot's dtype and numel.
+
+        Each name a unit takes sits at a fixed offset from its block's first
+        module or slot, so one strided slice of a column names it for every
+        block at once: the work per block is the units' construction."""
         r, index = self.r, self.r.index
-        end = index.subtree_end[top]
+        n, step, top = len(tops), tops.step, tops.start
         first, last = index.subtree_slots(top)
-        fqns, modules = index.module_fqns[top:end], index.walk.modules[top:end]
-        slot_fqn, pids = index.slot_fqn[first:last], index.walk.param_ids[first:last]
-        units, owner = r.units, r.owner
-        for shape in shapes:
-            owned = list(map(pids.__getitem__, shape.params))
-            r.excluded.update(owned)
-            owner.update(dict.fromkeys(owned, len(units)))
-            units.append(
-                _renamed(
-                    shape.unit,
-                    tuple(map(fqns.__getitem__, shape.modules)),
-                    tuple(map(slot_fqn.__getitem__, shape.params)),
-                    tuple(map(slot_fqn.__getitem__, shape.ignored)),
-                )
-            )
-            r.sharded.update(map(id, map(modules.__getitem__, shape.modules)))
+        width = last - first  # slots per block
+        stop, slot_stop = top + n * step, first + n * width
+        fqns, modules, slot_fqn, pids = index.module_fqns, index.walk.modules, index.slot_fqn, index.walk.param_ids
+        base, per_block = len(r.units), len(shapes)
+        made: list[list[Unit]] = []
+        for j, shape in enumerate(shapes):
+            names = _by_block([fqns[top + o : stop + o : step] for o in shape.modules], n)
+            params = _by_block([slot_fqn[first + q : slot_stop + q : width] for q in shape.params], n)
+            ignored = _by_block([slot_fqn[first + q : slot_stop + q : width] for q in shape.ignored], n)
+            for q in shape.params:
+                owned = pids[first + q : slot_stop + q : width]
+                r.excluded.update(owned)
+                r.owner.update(zip(owned, range(base + j, base + j + n * per_block, per_block)))
+            for o in shape.modules:
+                r.sharded.update(map(id, modules[top + o : stop + o : step]))
+            made.append([_renamed(shape.unit, m, p, i) for m, p, i in zip(names, params, ignored)])
+        r.units.extend(chain.from_iterable(zip(*made)))
+
+    def repeats(self, top: int, step: int, n: int) -> bool:
+        """Whether the ``n`` blocks laid out from walk position ``top``, one
+        every ``step`` positions, are each built like the one before, in
+        every part :meth:`parts` compares (the resolver's state as it is
+        now). One comparison of each column with itself shifted by one
+        block decides it for the whole run, at C level."""
+        r, index = self.r, self.r.index
+        walk = index.walk
+        first, last = index.subtree_slots(top)
+        width = last - first
+        stop, slot_stop = top + n * step, first + n * width
+        pids = walk.param_ids[first:slot_stop]
+        if index.aliases and not index.aliases.keys().isdisjoint(pids):
+            return False
+        module_columns: list[list[Any]] = [
+            walk.types[top:stop],
+            index.direct_counts[top:stop],
+            _blanked(walk.names[top:stop], step),  # a block's own name and place differ by design
+            _blanked(index.up_distance[top:stop], step),
+        ]
+        if r.sharded:
+            ids = list(map(id, walk.modules[top:stop]))
+            if not r.sharded.isdisjoint(ids):
+                module_columns.append(list(map(r.sharded.__contains__, ids)))
+        slot_columns: list[list[Any]] = [
+            walk.slot_names[first:slot_stop],
+            walk.facts[first:slot_stop],
+            index.slot_numels[first:slot_stop],
+            list(map(r.keys.get, pids)),
+        ]
+        for state in (r.excluded, r.ignored, r.intrinsic):
+            if not state.isdisjoint(pids):
+                slot_columns.append(list(map(state.__contains__, pids)))
+        if not r.owner.keys().isdisjoint(pids):
+            slot_columns.append(list(map(r.owner.__contains__, pids)))
+        return all(c[:-step] == c[step:] for c in module_columns) and (
+            width == 0 or all(c[:-width] == c[width:] for c in slot_columns)
+        )
+
+    def run_length(self, tops: Sequence[int], i: int) -> int:
+        """How many blocks from ``tops[i]`` on lie one after another in the
+        walk, each with as many modules and slots as the first."""
+        index = self.r.index
+        end, start = index.subtree_end, index.slot_start
+        top = tops[i]
+        step, width = end[top] - top, start[end[top]] - start[top]
+        n = 1
+        while i + n < len(tops):
+            at = top + n * step
+            if tops[i + n] != at or end[at] != at + step or start[at + step] - start[at] != width:
+                break
+            n += 1
+        return n
+
+    def plan_blocks(self, fqns: Sequence[str], reshard: bool | int | None) -> None:
+        """:meth:`plan` for each of ``fqns`` in order. A run of blocks laid
+        out one after another and built alike (:meth:`repeats`) plans its
+        first block, then replays that block's units onto the rest at once;
+        any other block takes :meth:`plan` on its own.
+
+        Planning a block whose units were recorded changes the resolver's
+        state only inside that block, so what :meth:`repeats` read before
+        the first block was planned still holds for the others."""
+        index = self.r.index
+        position = index.walk.position
+        tops = [position[id(index.module(f, "shard_by_dtype target"))] for f in fqns]
+        i = 0
+        while i < len(fqns):
+            n = self.run_length(tops, i)
+            top = tops[i]
+            step = index.subtree_end[top] - top
+            alike = n > 1 and not index.shared_modules and self.repeats(top, step, n)
+            self.plan(fqns[i], reshard)
+            if alike and self.last is not None:
+                self.replay(self.last[1], range(top + step, top + n * step, step))
+            else:
+                for f in fqns[i + 1 : i + n]:
+                    self.plan(f, reshard)
+            i += n
 
     def plan(self, fqn: str, reshard: bool | int | None) -> None:
         """:func:`_plan_target` for a block (never the root), replayed when a
         block of the same shape was planned before: the previous block's,
         compared part by part (the usual case: blocks come in a row), or
         any earlier one's, looked up by the shape's hash."""
-        r = self.r
-        target = r.index.module(fqn, "shard_by_dtype target")
-        top = r.index.walk.position[id(target)]
+        r, index = self.r, self.r.index
+        target = index.module(fqn, "shard_by_dtype target")
+        top = index.walk.position[id(target)]
         parts = None if id(target) in r.sharded else self.parts(top)
         if parts is not None and self.last is not None and parts == self.last[0]:
-            self.replay(self.last[1], top)
+            self.replay(self.last[1], _one_block(index, top))
             return
         shape: Shape | None = None if parts is None else tuple(p if p is None else tuple(p) for p in parts)
         recorded = self.shapes.get(shape) if shape is not None else None
@@ -151,8 +242,26 @@ class _BlockReplay:
                 self.record(shape, top, r.units[before:])
             recorded = self.shapes.get(shape) if shape is not None else None
         else:
-            self.replay(recorded, top)
+            self.replay(recorded, _one_block(index, top))
         self.last = (parts, recorded) if parts is not None and recorded is not None else None
+
+
+def _one_block(index: ModelIndex, top: int) -> range:
+    """The block at walk position ``top`` alone, as :meth:`_BlockReplay.replay` takes it."""
+    step = index.subtree_end[top] - top
+    return range(top, top + step, step)
+
+
+def _by_block(columns: list[list[str]], n: int) -> list[tuple[str, ...]]:
+    """Per block, the names at each offset: the strided ``columns`` read
+    across (``n`` empty tuples when there are none)."""
+    return list(zip(*columns)) if columns else [()] * n
+
+
+def _blanked(column: list[Any], step: int) -> list[Any]:
+    """``column`` with every block's first entry replaced by ``None``."""
+    column[::step] = [None] * len(range(0, len(column), step))
+    return column
 
 
 def _renamed(unit: Unit, modules: tuple[str, ...], params: tuple[str, ...], ignored: tuple[str, ...]) -> Unit:
