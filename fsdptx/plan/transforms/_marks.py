@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Collection, Iterable, Mapping
-from operator import methodcaller
+from collections.abc import Collection, Mapping
+from itertools import compress, repeat
 
 from torch import nn
 
@@ -28,21 +28,28 @@ __all__ = ["mark_reduction"]
 
 
 def _matching(index: ModelIndex, patterns: Collection[str]) -> dict[str, list[str]]:
-    """Module FQNs matched by each glob, in index order. A glob's literal
-    head and tail (before its first wildcard, after its last) filter the
-    FQNs first, at C level; only those left are matched against the glob:
-    a model has thousands of modules and a glob matches a few of them."""
+    """Module FQNs matched by each glob, in index order. A glob without a
+    wildcard is looked up; any other glob's literal tail and head (after
+    its last wildcard, before its first) filter the FQNs first, at C
+    level, and only those left are matched against the glob: a model has
+    thousands of modules and a glob matches a few of them."""
     out: dict[str, list[str]] = {}
     fqns = index.module_fqns
     for glob in patterns:
+        if not _WILDCARDS.intersection(glob):
+            out[glob] = [glob] if glob in index.modules else []
+            continue
         head, tail = _literal_ends(glob)
-        candidates: Iterable[str] = fqns
-        if head:
-            candidates = filter(methodcaller("startswith", head), candidates)
+        candidates = fqns
         if tail:
-            candidates = filter(methodcaller("endswith", tail), candidates)
+            candidates = list(compress(candidates, map(str.endswith, candidates, repeat(tail))))
+        if head:
+            candidates = list(compress(candidates, map(str.startswith, candidates, repeat(head))))
         out[glob] = list(filter(re.compile(fnmatch.translate(glob)).match, candidates))
     return out
+
+
+_WILDCARDS = frozenset("*?[")
 
 
 def _literal_ends(glob: str) -> tuple[str, str]:
