@@ -37,10 +37,14 @@ def logical_fqn(fqn: str) -> str:
 def unwrap(module: nn.Module) -> nn.Module:
     """The module a chain of wrappers holds (``module`` itself when unwrapped)."""
     while True:
-        inner = next((module._modules[s] for s in WRAPPER_SEGMENTS if module._modules.get(s) is not None), None)
-        if inner is None:
+        children = module._modules
+        for segment in WRAPPER_SEGMENTS:
+            inner = children.get(segment)
+            if inner is not None:
+                module = inner
+                break
+        else:
             return module
-        module = inner
 
 
 def innermost(fqns: Iterable[str]) -> dict[str, str]:

@@ -41,14 +41,20 @@ def plan_cross_block_units(
     if repeated:
         raise PlanningError(f"shard_across_blocks: module names {repeated} are listed more than once")
     policy = r.policy(torch.float32, True)
-    block_modules = [(b, unwrap_checkpoint(index.module(b, "shard_across_blocks block"))) for b in blocks]
+    block_modules = [unwrap_checkpoint(index.module(b, "shard_across_blocks block")) for b in blocks]
+    prefixes = [f + "." if f else "" for f in map(index.fqn_of, block_modules)]
     for name in names:
         found: list[nn.Module] = []
-        for _b, block in block_modules:
-            try:
-                found.append(get_module_from_path(block, name))
-            except AttributeError:
-                continue
+        for prefix, block in zip(prefixes, block_modules):
+            # The index names every module by its path on a tree; a module
+            # it lists under another path (shared) is followed by hand.
+            held = index.modules.get(prefix + name)
+            if held is None:
+                try:
+                    held = get_module_from_path(block, name)
+                except AttributeError:
+                    continue
+            found.append(held)
         if not found:
             raise PlanningError(
                 f"shard_across_blocks: no block has a submodule {name!r} "

@@ -42,7 +42,29 @@ def claim(
     a module already sharded (``stop``). Each tied parameter once."""
     if len(roots) == 1:
         return _survey(index, roots[0], stop)[2]
+    if not index.shared_modules and not index.aliases:
+        disjoint = _disjoint_leaves(index, roots)
+        if disjoint is not None:
+            return disjoint
     return _first_occurrences([item for r in roots for item in _survey(index, r, stop)[2]])
+
+
+def _disjoint_leaves(index: ModelIndex, roots: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]] | None:
+    """:func:`claim` of ``roots`` that are distinct leaves of a tree without
+    ties (a cross-block unit's holders), read from their slot ranges: a
+    leaf's claim is its direct parameters, and distinct leaves share none.
+    ``None`` when some root has submodules or appears twice."""
+    position, end = index.walk.position, index.subtree_end
+    at = list(map(position.__getitem__, map(id, roots)))
+    if len(set(at)) != len(at) or any(end[i] != i + 1 for i in at):
+        return None
+    start, fqns, params = index.slot_start, index.slot_fqn, index.walk.params
+    claimed: list[tuple[str, nn.Parameter]] = []
+    for i in at:
+        a, b = start[i], start[i + 1]
+        if a < b:
+            claimed.extend(zip(fqns[a:b], params[a:b]))
+    return claimed
 
 
 def _first_occurrences(claimed: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
