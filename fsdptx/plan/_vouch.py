@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from itertools import chain, compress
+from itertools import chain, compress, islice, repeat
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -99,8 +99,7 @@ def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
         return None
     if any(grad and not dtype.is_floating_point for dtype, grad in set(map(_DTYPE_GRAD, walk.facts))):
         return None  # a trainable complex parameter: the planner leaves it keyless
-    position, modules = walk.position, index.modules
-    positions = tuple(tuple(map(position.__getitem__, map(id, map(modules.__getitem__, u.modules)))) for u in units)
+    positions = _positions(index, [u.modules for u in units])
     # What the primitive refuses depends on a module's class and a unit's
     # settings' kinds alone: ask once per refused position and per kind of
     # settings, not once per unit (a model has thousands of units).
@@ -133,14 +132,24 @@ def vouch_marks(index: ModelIndex, plan: Plan) -> Verification | None:
     named = index.params.keys() >= plan.reductions.keys() and all(f in index.modules for f in plan.exclusions)
     if not named:
         return vouched
-    position, modules = index.walk.position, index.modules
+    by_module = reductions_by_module(plan.reductions)
+    (marked, excluded) = _positions(index, [tuple(by_module), plan.exclusions])
     return dataclasses.replace(
         vouched,
         reductions=plan.reductions,
         exclusions=plan.exclusions,
-        marks=tuple((position[id(modules[f])], m) for f, m in reductions_by_module(plan.reductions).items()),
-        excluded=tuple(position[id(modules[f])] for f in plan.exclusions),
+        marks=tuple(zip(marked, by_module.values())),
+        excluded=excluded,
     )
+
+
+def _positions(index: ModelIndex, groups: list[tuple[str, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The walk positions of each group of module FQNs, looked up in one
+    C-level pass over all of them and cut back into groups: a plan has
+    thousands of units, most of one module each."""
+    flat = chain.from_iterable(groups)
+    found = iter(list(map(index.walk.position.__getitem__, map(id, map(index.modules.__getitem__, flat)))))
+    return tuple(map(tuple, map(islice, repeat(found), map(len, groups))))
 
 
 def vouched_modules(
