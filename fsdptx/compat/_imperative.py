@@ -4,7 +4,6 @@ the composable pipeline: each function plans, then calls ``apply_plan``."""
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -185,11 +184,6 @@ class _CallMemo(BoundedMemo[tuple[object, ...], _Planned]):
 
 # The one process-wide memo of calls: bounded, emptied by fsdptx.clear_caches().
 _CALLS = process_wide(_CallMemo(limit=64))
-_NUMEL = operator.methodcaller("numel")
-
-
-def _hint(p: nn.Parameter) -> object:
-    return getattr(p, "_hf_compute_dtype", None)
 
 
 def _shape(walk: ModelWalk, call: tuple[object, ...], ignored: list[bool]) -> tuple[object, ...] | None:
@@ -208,9 +202,9 @@ def _shape(walk: ModelWalk, call: tuple[object, ...], ignored: list[bool]) -> tu
         tuple(walk.names),
         tuple(walk.owners),
         tuple(walk.slot_names),
-        tuple(walk.facts),
-        tuple(map(_NUMEL, params)),
-        tuple(map(_hint, params)),
+        # Everything read from a parameter, in one visit each: a fresh
+        # model's parameters are not in the CPU caches.
+        tuple([(p.dtype, p.requires_grad, p.ndim, p.numel(), getattr(p, "_hf_compute_dtype", None)) for p in params]),
         tuple(ignored),
     )
     try:
