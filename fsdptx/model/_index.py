@@ -172,18 +172,34 @@ class ModelIndex:
             self.param_fqn[pid] = preferred
             self.aliases[pid] = [n for n in names if n != preferred]
 
-    @memo_property
+    @property
     def param_facts(self) -> dict[int, tuple[torch.dtype, int, int, object, bool]]:
         """Per parameter id: (storage dtype, numel, bytes, ``_hf_compute_dtype``
         hint, requires_grad), read once for all of planning; dtype and
         ``requires_grad`` as the walk's signature recorded them."""
+        return self._param_tables[0]
+
+    @property
+    def numel_by_kind(self) -> dict[tuple[torch.dtype, bool], int]:
+        """Total numel of the parameters per (storage dtype, requires_grad)."""
+        return self._param_tables[1]
+
+    @memo_property
+    def _param_tables(
+        self,
+    ) -> tuple[dict[int, tuple[torch.dtype, int, int, object, bool]], dict[tuple[torch.dtype, bool], int]]:
+        """:attr:`param_facts` and :attr:`numel_by_kind`, from one pass over
+        the parameters."""
         facts = {}
+        totals: dict[tuple[torch.dtype, bool], int] = {}
         read, numels = self.walk.facts, self.slot_numels
         for p, slot in zip(self.param_objects, self.first_slots):
             dtype, grad, _ndim = read[slot]
             n = numels[slot]
             facts[id(p)] = (dtype, n, n * dtype.itemsize, getattr(p, "_hf_compute_dtype", None), grad)
-        return facts
+            kind = (dtype, grad)
+            totals[kind] = totals.get(kind, 0) + n
+        return facts, totals
 
     @memo_property
     def slot_numels(self) -> list[int]:

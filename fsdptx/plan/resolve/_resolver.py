@@ -239,7 +239,7 @@ def low_precision_bulk(index: ModelIndex) -> torch.dtype | None:
     (:func:`fsdptx._dtypes.resolve_compute_dtype`, rule 4)."""
     trainable: dict[torch.dtype, int] = {}
     every: dict[torch.dtype, int] = {}
-    for dtype, n, _b, _hint, grad in index.param_facts.values():
+    for (dtype, grad), n in index.numel_by_kind.items():
         if not dtype.is_floating_point:
             continue
         every[dtype] = every.get(dtype, 0) + n
