@@ -129,7 +129,9 @@ def vouch_marks(index: ModelIndex, plan: Plan) -> Verification | None:
     vouched = plan.verified
     if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
         return vouched
-    named = index.params.keys() >= plan.reductions.keys() and all(f in index.modules for f in plan.exclusions)
+    # Every slot holds its parameter's canonical name: a set of them is
+    # the parameters' names, without building a table of the parameters.
+    named = set(index.slot_fqn).issuperset(plan.reductions) and all(f in index.modules for f in plan.exclusions)
     if not named:
         return vouched
     by_module = reductions_by_module(plan.reductions)
