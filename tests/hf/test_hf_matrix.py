@@ -2,8 +2,9 @@
 manager's defaults on fake meshes (dp=8, and dp=2 x tp=2 with Hugging Face's
 own TP plan): every parameter owned by exactly one unit and a DTensor after
 apply, every fp32 holder computing in fp32, blocks as units, a tied
-embedding named by its owner. Kimi-Linear, whose ``forget_gate`` holds fp32
-and bf16 parameters directly, is refused with an error that says why.
+embedding named by its owner, and the same plan with caches off. Kimi-Linear,
+whose ``forget_gate`` holds fp32 and bf16 parameters directly, is refused
+with an error that says why.
 
 Models are built tiny on the meta device from their config classes
 (``tests/support/hf_zoo.py``); nothing is downloaded.
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 pytest.importorskip("transformers")
@@ -161,3 +163,28 @@ def test_moe_experts_left_whole_by_the_tp_plan_run_on_the_whole_sequence_under_s
     assert styles["model.layers.0.self_attn"] == "gather_sequence (sp)"
     assert "model.layers.0.mlp.experts" in p.exclusions
     assert not [k for k in p.reductions if ".mlp." in k]
+
+
+def _same_plan_with_caches_off(model: nn.Module) -> None:
+    pipeline = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fast = fsdptx.plan(model, pipeline, mp_policy=policy)
+    with fsdptx.caches(enabled=False):
+        plain = fsdptx.plan(model, pipeline, mp_policy=policy)
+    assert fast.units and fast == plain
+
+
+@pytest.mark.parametrize("name", PLANNABLE)
+def test_planning_with_caches_off_gives_the_same_plan(name: str) -> None:
+    """Block replay and the other fast paths are optional layers: on a real
+    architecture the plain planner (caches off) gives the very same plan."""
+    _same_plan_with_caches_off(hf_zoo.ZOO[name]("meta"))
+
+
+def test_a_run_of_blocks_broken_by_an_fp32_mlp_plans_as_with_caches_off() -> None:
+    """Six GPT-OSS blocks built alike but for the fourth, whose MLP is kept
+    in fp32: replaying the run must not carry the first block's units over
+    it (its MLP becomes a unit of its own)."""
+    model = hf_zoo.gpt_oss("meta", layers=6)
+    model.model.layers[3].mlp.float()
+    _same_plan_with_caches_off(model)

@@ -142,17 +142,19 @@ def olmoe(device: str = "meta", dtype: torch.dtype = torch.bfloat16, keep_in_fp3
     return build_hf_model("olmoe", overrides, dtype=dtype, device=device, keep_in_fp32=keep_in_fp32)
 
 
-def gpt_oss(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def gpt_oss(device: str = "meta", dtype: torch.dtype = torch.bfloat16, layers: int = LAYERS) -> nn.Module:
     """GPT-OSS, 4 experts: fp32 ``sinks`` (one per head) directly on every
     ``model.layers.*.self_attn`` beside its bf16 ``q/k/v/o_proj`` children.
     As shipped the sinks are bf16 (only ``_keep_in_fp32_modules`` norms, for
-    fp16 loads); training keeps them fp32."""
+    fp16 loads); training keeps them fp32. Sliding and full attention
+    layers alternate."""
     overrides = {
         **_DENSE,
+        "num_hidden_layers": layers,
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
         "sliding_window": 16,
-        "layer_types": ["sliding_attention", "full_attention"],
+        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
         "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
     }
     return build_hf_model("gpt_oss", overrides, dtype=dtype, device=device, keep_in_fp32=("sinks",))
