@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...model._index import ModelIndex, PlanningError
-from ...model._unit_checks import is_container
 from .._types import DtypeRequest
 from ._replay import _BlockReplay
 from ._resolver import _plan_target, _Resolver, _shardable
@@ -33,9 +32,7 @@ def plan_dtype_units(r: _Resolver, request: DtypeRequest, *, replay_blocks: bool
                 f"shard_by_dtype: target {fqn or '<root>'!r} is already an FSDP module; plan the "
                 "model before sharding it, or leave already-sharded modules out of blocks="
             )
-        # A ModuleList target means its elements.
-        elements = [e for e, _m in _shardable(fqn, target)] if is_container(target) else (fqn,)
-        for element in elements:
+        for element, _m in _shardable(fqn, target):  # a ModuleList target means its elements
             is_root = element == "" and request.always_shard_root
             if element and index.tied and _tied_outside(index, element, request.targets):
                 continue  # the enclosing unit owns the tie: see _tied_outside

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any
 
 from ...model._index import ModelIndex
@@ -33,6 +33,7 @@ class _UnitShape:
 
 
 Parts = list[Sequence[Any] | None]  # slices of the index's columns, or None for 'nothing of the block'
+_MODULE_PARTS = 5  # the first parts run per module, the rest per parameter slot
 Shape = tuple[tuple[Any, ...] | None, ...]  # the parts, hashable
 
 
@@ -58,35 +59,41 @@ class _BlockReplay:
     shapes: dict[Shape, tuple[_UnitShape, ...] | None] = field(default_factory=dict)
     last: tuple[Parts, tuple[_UnitShape, ...]] | None = None  # the previous block's parts and units
 
-    def parts(self, top: int) -> Parts | None:
-        """What planning the block at walk position ``top`` depends on, as
-        slices of the index's columns (plus the resolver's state, asked
-        about the block one by one only when it holds something of it), or
-        ``None`` when the block cannot be replayed. No loop here runs per
-        module or parameter in Python: this runs once per block, and such
-        a loop would cost about what replaying saves."""
+    def parts(self, top: int, n: int = 1) -> Parts | None:
+        """What planning the ``n`` blocks laid out from walk position
+        ``top`` depends on, as slices of the index's columns over all of
+        them: the first :data:`_MODULE_PARTS` per module, the rest per
+        parameter slot; the resolver's state is asked about the blocks only
+        when it holds something of them (``None``: nothing). ``None`` when
+        the blocks cannot be replayed. No loop here runs per module or
+        parameter in Python: such a loop would cost about what replaying
+        saves. A block's own name and place differ by design, so each
+        block's first entry of those two columns is blanked."""
         r, index = self.r, self.r.index
         if index.shared_modules:
             return None
-        walk, end = index.walk, index.subtree_end[top]
+        walk = index.walk
+        step = index.subtree_end[top] - top
         first, last = index.subtree_slots(top)
-        pids = walk.param_ids[first:last]
+        stop, slot_stop = top + n * step, first + n * (last - first)
+        pids = walk.param_ids[first:slot_stop]
         if index.aliases and not index.aliases.keys().isdisjoint(pids):
             return None
-        excluded, sharded = r.excluded, r.sharded
-        ids = list(map(id, walk.modules[top + 1 : end])) if sharded else []
+        ids = list(map(id, walk.modules[top:stop])) if r.sharded else []
         return [
-            walk.types[top:end],
-            index.up_distance[top + 1 : end],
-            walk.names[top + 1 : end],
-            index.direct_counts[top:end],
-            walk.slot_names[first:last],
-            walk.facts[first:last],  # dtype, requires_grad, ndim
-            index.slot_numels[first:last],
+            walk.types[top:stop],
+            index.direct_counts[top:stop],
+            _blanked(walk.names[top:stop], step),
+            _blanked(index.up_distance[top:stop], step),
+            None if r.sharded.isdisjoint(ids) else list(map(r.sharded.__contains__, ids)),
+            walk.slot_names[first:slot_stop],
+            walk.facts[first:slot_stop],  # dtype, requires_grad, ndim
+            index.slot_numels[first:slot_stop],
             list(map(r.keys.get, pids)),
-            None if sharded.isdisjoint(ids) else list(map(sharded.__contains__, ids)),
-            None if excluded.isdisjoint(pids) else [(p in r.owner, p in excluded, p in r.ignored) for p in pids],
-            None if r.intrinsic.isdisjoint(pids) else list(map(r.intrinsic.__contains__, pids)),
+            *(
+                None if state.isdisjoint(pids) else list(map(state.__contains__, pids))
+                for state in (r.excluded, r.owner.keys(), r.ignored, r.intrinsic)
+            ),
         ]
 
     def record(self, shape: Shape, top: int, units: list[Unit]) -> None:
@@ -141,43 +148,21 @@ class _BlockReplay:
             made.append([_renamed(shape.unit, m, p, i) for m, p, i in zip(names, params, ignored)])
         r.units.extend(chain.from_iterable(zip(*made)))
 
-    def repeats(self, top: int, step: int, n: int) -> bool:
-        """Whether the ``n`` blocks laid out from walk position ``top``, one
-        every ``step`` positions, are each built like the one before, in
-        every part :meth:`parts` compares (the resolver's state as it is
-        now). One comparison of each column with itself shifted by one
-        block decides it for the whole run, at C level."""
-        r, index = self.r, self.r.index
-        walk = index.walk
-        first, last = index.subtree_slots(top)
-        width = last - first
-        stop, slot_stop = top + n * step, first + n * width
-        pids = walk.param_ids[first:slot_stop]
-        if index.aliases and not index.aliases.keys().isdisjoint(pids):
+    def repeats(self, top: int, n: int) -> bool:
+        """Whether the ``n`` blocks laid out from walk position ``top`` are
+        each built like the one before, in every one of their
+        :meth:`parts`: each part compared with itself shifted by one block
+        decides it for the whole run, at C level."""
+        parts = self.parts(top, n)
+        if parts is None:
             return False
-        module_columns: list[list[Any]] = [
-            walk.types[top:stop],
-            index.direct_counts[top:stop],
-            _blanked(walk.names[top:stop], step),  # a block's own name and place differ by design
-            _blanked(index.up_distance[top:stop], step),
-        ]
-        if r.sharded:
-            ids = list(map(id, walk.modules[top:stop]))
-            if not r.sharded.isdisjoint(ids):
-                module_columns.append(list(map(r.sharded.__contains__, ids)))
-        slot_columns: list[list[Any]] = [
-            walk.slot_names[first:slot_stop],
-            walk.facts[first:slot_stop],
-            index.slot_numels[first:slot_stop],
-            list(map(r.keys.get, pids)),
-        ]
-        for state in (r.excluded, r.ignored, r.intrinsic):
-            if not state.isdisjoint(pids):
-                slot_columns.append(list(map(state.__contains__, pids)))
-        if not r.owner.keys().isdisjoint(pids):
-            slot_columns.append(list(map(r.owner.__contains__, pids)))
-        return all(c[:-step] == c[step:] for c in module_columns) and (
-            width == 0 or all(c[:-width] == c[width:] for c in slot_columns)
+        index = self.r.index
+        first, last = index.subtree_slots(top)
+        step, width = index.subtree_end[top] - top, last - first
+        return all(
+            part is None or part[:-shift] == part[shift:]
+            for part, shift in zip(parts, chain(repeat(step, _MODULE_PARTS), repeat(width)))
+            if shift
         )
 
     def run_length(self, tops: Sequence[int], i: int) -> int:
@@ -212,7 +197,7 @@ class _BlockReplay:
             n = self.run_length(tops, i)
             top = tops[i]
             step = index.subtree_end[top] - top
-            alike = n > 1 and not index.shared_modules and self.repeats(top, step, n)
+            alike = n > 1 and self.repeats(top, n)
             self.plan(fqns[i], reshard)
             if alike and self.last is not None:
                 self.replay(self.last[1], range(top + step, top + n * step, step))
