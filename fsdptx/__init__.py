@@ -33,7 +33,8 @@ from .model._index import PlanningError
 from .plan._compose import Transform, compose, plan
 from .plan._diff import PlanDiff, diff_plans
 from .plan._json import plan_from_json, plan_to_json
-from .plan._plan import Plan
+from .plan._plan import Pipeline, Plan, Stage
+from .plan._stages import PipelineParallelConfig, plan_pipeline
 from .plan._types import Checkpointing, ExpertParallel, Prefetch, Reduction, TPAssignment, TensorParallel, Unit
 from .plan.transforms import (
     checkpoint_activations,
@@ -55,6 +56,8 @@ from .tp.sync._ops import broadcast_tp_replicas, synchronize_tp_replica_gradient
 
 # apply: carrying a plan out
 from .apply._apply import apply_plan
+from .apply._clip import clip_grad_norm_
+from .apply._pipeline import PipelineStages, apply_pipeline
 from .apply._check import PlanMismatchError, check_plan
 from .apply._unused import configure_fsdp_unused_param_reduction
 
@@ -93,10 +96,13 @@ __all__ = [
     # plan
     "Checkpointing",
     "ExpertParallel",
+    "Pipeline",
+    "PipelineParallelConfig",
     "Plan",
     "PlanDiff",
     "Prefetch",
     "Reduction",
+    "Stage",
     "TPAssignment",
     "TensorParallel",
     "Transform",
@@ -108,6 +114,7 @@ __all__ = [
     "mark_reduction",
     "plan",
     "plan_from_json",
+    "plan_pipeline",
     "plan_to_json",
     "prefetch",
     "reduce_unused_params",
@@ -127,9 +134,12 @@ __all__ = [
     "synchronize_tp_replica_gradients",
     "tensor_parallel",
     # apply
+    "PipelineStages",
     "PlanMismatchError",
+    "apply_pipeline",
     "apply_plan",
     "check_plan",
+    "clip_grad_norm_",
     "configure_fsdp_unused_param_reduction",
     # compat
     "ParameterSet",

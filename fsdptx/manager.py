@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .apply._apply import apply_indexed
+from .apply._pipeline import LossFn, PipelineStages, apply_pipeline
 from .compat._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
 from .core._args import require_module
 from .core._names import name_tokens
@@ -38,8 +39,9 @@ from .core._torch_internals import (
 )
 from .hf._patches import patch_is_packed_sequence
 from .plan._plan import Plan
-from .model._index import ModelIndex, discover_blocks, resolve_blocks
+from .model._index import ModelIndex, PlanningError, discover_blocks, resolve_blocks
 from .plan._compose import Transform, compose, plan_indexed
+from .plan._stages import PipelineParallelConfig, plan_pipeline
 from .plan.transforms import (
     checkpoint_activations,
     expert_parallel,
@@ -226,6 +228,10 @@ class FSDP2Config:
             string is one name).
         blocks: the model's blocks (a bare string is one name or glob).
         loss_parallel: keep the head's logits vocabulary-sharded.
+        pipeline_parallel: split the model into pipeline stages over the
+            mesh's ``pp`` dim (:class:`fsdptx.PipelineParallelConfig`);
+            :meth:`FSDP2Manager.parallelize` then returns
+            :class:`fsdptx.PipelineStages`.
 
     Example::
 
@@ -250,6 +256,7 @@ class FSDP2Config:
     cross_block_modules: tuple[str, ...] | None = None
     blocks: tuple[str, ...] | None = None
     loss_parallel: bool = False
+    pipeline_parallel: PipelineParallelConfig | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -284,6 +291,10 @@ class FSDP2Config:
         r = self.reshard_after_forward
         if not (r is None or isinstance(r, bool) or (type(r) is int and r >= 1)):
             raise ValueError(f"FSDP2Config.reshard_after_forward must be None, a bool or an int >= 1, got {r!r}")
+        if self.pipeline_parallel is not None and not isinstance(self.pipeline_parallel, PipelineParallelConfig):
+            raise TypeError(
+                f"FSDP2Config.pipeline_parallel must be an fsdptx.PipelineParallelConfig or None, got {self.pipeline_parallel!r}"
+            )
         object.__setattr__(self, "tp_plan", _check_tp_plan(self.tp_plan))
         check_policy_dtypes(self.mp_policy, "FSDP2Config")
         for name in ("expert_modules", "cross_block_modules", "blocks"):
@@ -345,6 +356,7 @@ class FSDP2Manager:
         if not isinstance(config, FSDP2Config):
             raise TypeError(f"FSDP2Manager: config must be an FSDP2Config, got {type(config).__name__}")
         self.dims: ParallelDims = parallel_dims(device_mesh)
+        _check_pipeline_dims(config, device_mesh, self.dims)
         if moe_mesh is not None:
             # parallelize() refuses a MoE mesh over another world or without a
             # data-parallel dim; refusing it here makes plan() (the dry run)
@@ -404,7 +416,8 @@ class FSDP2Manager:
             steps.append(functools.partial(expert_parallel, expert_modules=self._expert_modules(model)))
         steps.append(mark_reduction)
         if units:
-            steps.append(functools.partial(reshard_policy, pipeline_parallel=dims.pp > 1))
+            staged = cfg.pipeline_parallel is not None
+            steps.append(functools.partial(reshard_policy, pipeline_parallel=staged))
             if cfg.enable_fsdp2_prefetch:
                 steps.append(
                     functools.partial(
@@ -450,6 +463,8 @@ class FSDP2Manager:
         if self.dims.cp > 1:
             reject_unsupported_mtp_cp(model)
             reject_unsupported_mtp_cp_pp(model, self.dims.pp)
+        if self.config.pipeline_parallel is not None:
+            return self._plan_stages(model, index)
         result = plan_indexed(
             model,
             self.pipeline(model),
@@ -458,26 +473,81 @@ class FSDP2Manager:
             offload_policy=self.config.offload_policy,
             reshard_after_forward=self.config.reshard_after_forward,
         )
+        self._check_tp(result, model, index)
+        return result
+
+    def _check_tp(self, result: Plan, model: nn.Module, index: ModelIndex | None) -> None:
         if result.tensor_parallel is not None:
             problems = check_tensor_parallel(result.tensor_parallel, model, self.dims.tp, index=index)
             if problems:
                 raise ValueError("FSDP2Manager: the TP plan does not fit tp=%d:\n  - %s" % (self.dims.tp, "\n  - ".join(problems)))
-        return result
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    def _plan_stages(self, model: nn.Module, index: ModelIndex) -> Plan:
+        """The pipelined Plan: every stage planned by this manager's
+        pipeline of transforms on its own stage module, and its TP plan
+        checked against that module."""
+        cfg = self.config
+        assert cfg.pipeline_parallel is not None
+        supports = getattr(model, "supports", None)
+        if getattr(supports, "mtp_enabled", False) is True:
+            raise PlanningError(
+                f"FSDP2Manager: {type(model).__name__} has multi-token prediction enabled; its MTP modules read the "
+                "embedding and the last hidden states, which pipeline stages keep apart: disable MTP under pipeline parallelism"
+            )
+
+        def stage_pipeline(stage: nn.Module, p: Plan, /) -> Plan:
+            planned = self.pipeline(stage)(stage, p)
+            self._check_tp(planned, stage, None)
+            return planned
+
+        return plan_pipeline(
+            model,
+            stage_pipeline,
+            cfg.pipeline_parallel,
+            pp=self.dims.pp,
+            blocks=cfg.blocks,
+            mp_policy=cfg.mp_policy,
+            offload_policy=cfg.offload_policy,
+            reshard_after_forward=cfg.reshard_after_forward,
+            index=index,
+        )
+
+    def parallelize(self, model: nn.Module, *, loss_fn: LossFn | None = None) -> nn.Module | PipelineStages:
         """Apply :meth:`plan` to ``model`` with :func:`fsdptx.apply_plan`
         (everything validated before anything is mutated); returns ``model``.
         The Plan's warnings (no blocks found, say) are logged.
+
+        With ``config.pipeline_parallel``, builds and parallelizes this
+        rank's stages instead (:func:`fsdptx.apply_pipeline`) and returns
+        :class:`fsdptx.PipelineStages`; ``loss_fn(output, target)`` is then
+        required: the last stage computes it per micro-batch.
 
         The model is walked once: planning, the plan's checks and the
         effects all read that walk's index (nothing changes the model
         between planning and applying, so the index is current when the
         checks read it; every check still runs before any mutation)."""
         require_module(model, "model", "FSDP2Manager.parallelize")
+        staged = self.config.pipeline_parallel is not None
+        if staged and not callable(loss_fn):
+            raise TypeError(
+                "FSDP2Manager.parallelize: pipeline parallelism needs loss_fn=callable(output, target) -> loss, "
+                f"computed on the last stage per micro-batch; got {loss_fn!r}"
+            )
+        if not staged and loss_fn is not None:
+            raise ValueError("FSDP2Manager.parallelize: loss_fn is for pipeline parallelism (FSDP2Config(pipeline_parallel=...))")
         index = ModelIndex.build(model)
         planned = self._plan(model, index)
         for warning in planned.warnings:
             logger.warning("FSDP2Manager: %s", warning)
+        if planned.pipeline is not None:
+            assert loss_fn is not None
+            for stage in planned.pipeline.stages:
+                for warning in stage.plan.warnings:
+                    logger.warning("FSDP2Manager: stage %d: %s", stage.index, warning)
+            stages = apply_pipeline(planned, model, self.device_mesh, loss_fn=loss_fn, moe_mesh=self.moe_mesh)
+            if self.config.patch_is_packed_sequence:
+                patch_is_packed_sequence()
+            return stages
         result = apply_indexed(planned, model, self.device_mesh, index, moe_mesh=self.moe_mesh)
         if self.config.patch_is_packed_sequence:
             patch_is_packed_sequence()
@@ -519,6 +589,23 @@ class FSDP2Manager:
     def gradient_sync_context(self, model: nn.Module, is_optimizer_step: bool) -> contextlib.AbstractContextManager[None]:
         """:func:`gradient_sync_context` with ``defer=config.defer_fsdp_grad_sync``."""
         return gradient_sync_context(model, is_optimizer_step, defer=self.config.defer_fsdp_grad_sync)
+
+
+def _check_pipeline_dims(config: FSDP2Config, mesh: DeviceMesh, dims: ParallelDims) -> None:
+    """A ``pp`` dim and a pipeline config come together: stages without a
+    ``pp`` dim have no ranks to run on, and a ``pp`` dim of several ranks
+    without stages would have every pipeline rank train the whole model."""
+    has_pp = "pp" in (mesh.mesh_dim_names or ())
+    if config.pipeline_parallel is not None and not has_pp:
+        raise ValueError(
+            "FSDP2Manager: FSDP2Config.pipeline_parallel is set but device_mesh has no 'pp' dim; build the mesh with "
+            "a 'pp' dim (init_device_mesh(..., mesh_dim_names=('pp', 'dp', ...)))"
+        )
+    if config.pipeline_parallel is None and dims.pp > 1:
+        raise ValueError(
+            f"FSDP2Manager: device_mesh has a 'pp' dim of {dims.pp} ranks but no pipeline configuration; pass "
+            "FSDP2Config(pipeline_parallel=fsdptx.PipelineParallelConfig(...)), or drop the 'pp' dim"
+        )
 
 
 def _enable_async_tp(mesh: DeviceMesh) -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "apply_indexed",
     "apply_plan",
     "apply_resolved",
+    "precheck",
 ]
 
 ShardModule = Callable[..., Any]
@@ -161,6 +162,11 @@ def apply_indexed(
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan: plan must be an fsdptx.Plan, got {type(plan).__name__}")
     require_module(model, "model", "apply_plan")
+    if plan.pipeline is not None:
+        raise ValueError(
+            "apply_plan: this Plan has pipeline stages; apply it with fsdptx.apply_pipeline(plan, model, mesh, "
+            "loss_fn=...), which builds this rank's stages (FSDP2Manager.parallelize does)"
+        )
     require_mesh(mesh, shard_module, "apply_plan")
     if moe_mesh is not None and not isinstance(moe_mesh, DeviceMesh):
         raise TypeError(f"apply_plan: moe_mesh must be a torch DeviceMesh or None, got {type(moe_mesh).__name__}")
@@ -178,6 +184,26 @@ def apply_indexed(
         checkpoint_module=checkpoint_module,
         hand_ep_mesh=hand_ep_mesh,
     )
+
+
+def precheck(
+    plan: Plan,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    index: ModelIndex | None,
+    *,
+    moe_mesh: DeviceMesh | None = None,
+    hand_ep_mesh: HandEpMesh = hand_ep_mesh,
+) -> None:
+    """The checks of a Plan against the mesh, its styles, checkpointed and
+    prefetched modules, run before any effect; raises
+    :class:`PlanMismatchError` listing every problem. Applying a pipelined
+    Plan runs it for every stage before the first stage changes."""
+    fail(described_style_problems(plan))  # before the TP checks, which read the styles
+    problems = check_against_mesh(plan, model, mesh, moe_mesh, index, hand_ep_mesh)
+    problems += check_checkpointing(plan.checkpointing, _finder(model, index))
+    problems += check_prefetch(plan)
+    fail(problems)
 
 
 def apply_resolved(
@@ -202,11 +228,7 @@ def apply_resolved(
     already; else they are looked up by FQN, in ``index`` when given (the
     model's index as it is now; see :func:`_finder`)."""
     find = _finder(model, index)
-    fail(described_style_problems(plan))  # before the TP checks, which read the styles
-    problems = check_against_mesh(plan, model, mesh, moe_mesh, index, hand_ep_mesh)
-    problems += check_checkpointing(plan.checkpointing, find)
-    problems += check_prefetch(plan)
-    fail(problems)
+    precheck(plan, model, mesh, index, moe_mesh=moe_mesh, hand_ep_mesh=hand_ep_mesh)
     dense, moe = fsdp_meshes(plan, mesh, moe_mesh)
 
     tp = plan.tensor_parallel

@@ -20,6 +20,7 @@ from ..core._globs import WRAPPER_SEGMENTS, innermost, match_logical, unwrap
 from ..core._names import name_tokens, natural_key
 from ..core._tree import get_module_from_path, join_fqn
 from ._unit_checks import is_container
+from ._gap import StageGap
 from ._walk import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
 
 __all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_blocks"]
@@ -279,8 +280,19 @@ class ModelIndex:
 
     def match(self, pattern: str) -> list[str]:
         """Real FQNs of the modules a one-segment-per-``*`` glob matches,
-        wrappers seen through; the root never matches."""
-        return match_logical(pattern, self.by_logical)
+        wrappers seen through; the root never matches, nor does a pipeline
+        stage's :class:`~fsdptx.model._gap.StageGap` (it stands for a part
+        another stage holds)."""
+        found = match_logical(pattern, self.by_logical)
+        gaps = self.stage_gaps
+        return [f for f in found if f not in gaps] if gaps else found
+
+    @memo_property
+    def stage_gaps(self) -> frozenset[str]:
+        """FQNs of the stage gaps in the model (none outside pipeline stages)."""
+        if StageGap not in self.module_types:
+            return frozenset()
+        return frozenset(f for f, t in zip(self.module_fqns, self.module_types) if t is StageGap)
 
     @memo_property
     def blocks(self) -> tuple[str, ...]:

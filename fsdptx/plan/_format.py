@@ -29,7 +29,7 @@ from ._types import (
     reshards_after_forward,
 )
 
-__all__ = ["PlanView", "format_plan", "format_requests"]
+__all__ = ["PipelineView", "PlanView", "StageView", "format_pipeline", "format_plan", "format_requests"]
 
 
 class PlanView(Protocol):
@@ -65,13 +65,63 @@ class PlanView(Protocol):
     @property
     def reduce_unused_params(self) -> bool: ...
 
+    @property
+    def pipeline(self) -> PipelineView | None: ...
+
+
+class StageView(Protocol):
+    """A pipeline stage as rendering reads it (:class:`fsdptx.plan._plan.Stage`)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def modules(self) -> tuple[str, ...]: ...
+
+    @property
+    def plan(self) -> PlanView: ...
+
+    @property
+    def numel(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class PipelineView(Protocol):
+    """A Plan's pipeline as rendering reads it (:class:`fsdptx.plan._plan.Pipeline`)."""
+
+    @property
+    def schedule(self) -> str: ...
+
+    @property
+    def microbatches(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def stages_per_rank(self) -> int: ...
+
+    @property
+    def placement(self) -> str: ...
+
+    @property
+    def stages(self) -> tuple[StageView, ...]: ...
+
 
 def _dtype_name(d: torch.dtype | None) -> str:
     return "-" if d is None else str(d).removeprefix("torch.")
 
 
 def format_plan(plan: PlanView) -> str:
-    """Render the plan as a fixed-width table, one row per unit in order."""
+    """Render the plan as a fixed-width table, one row per unit in order; a
+    pipelined plan as its stage table, then each stage's own plan."""
+    if plan.pipeline is not None:
+        return format_pipeline(plan.pipeline, plan.warnings)
     header: tuple[str, ...] = ("#", "kind", "modules", "storage->compute", "params", "numel", "bytes", "reshard")
     why = any(u.reasons for u in plan.units)
     if why:
@@ -171,3 +221,34 @@ def format_requests(plan: PlanView) -> list[str]:
     if plan.reduce_unused_params:
         lines.append("unused parameters: every unit reduce-scatters zeros for them (context parallelism)")
     return lines
+
+
+def format_pipeline(pipeline: PipelineView, warnings: tuple[str, ...] = ()) -> str:
+    """The stage table (index, pipeline rank, parts, parameters), then each
+    stage's plan, indented under its heading."""
+    lines = [f"warning: {w}" for w in warnings]
+    lines.append(
+        f"pipeline: {len(pipeline.stages)} stages on pp={pipeline.size} ({pipeline.stages_per_rank} per rank, "
+        f"{pipeline.placement} placement), schedule {pipeline.schedule}, {pipeline.microbatches} micro-batches"
+    )
+    header = ("stage", "pp rank", "modules", "params", "numel", "bytes")
+    rows = [header] + [
+        (
+            str(s.index),
+            str(s.rank),
+            ", ".join(collapse_names(s.modules)),
+            str(sum(len(u.params) for u in s.plan.units) or "-"),
+            f"{s.numel:,}",
+            format_bytes(s.nbytes),
+        )
+        for s in pipeline.stages
+    ]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    table.insert(1, "  ".join("-" * w for w in widths))
+    lines.extend(table)
+    for s in pipeline.stages:
+        lines.append("")
+        lines.append(f"stage {s.index} (pp rank {s.rank}): {', '.join(collapse_names(s.modules))}")
+        lines.extend("  " + line if line else line for line in format_plan(s.plan).splitlines())
+    return "\n".join(lines)

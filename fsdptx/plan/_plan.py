@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     # is no upward edge, and nothing is imported at run time.
     from ..model._index import ModelIndex
 
-__all__ = ["Plan"]
+__all__ = ["Pipeline", "Placement", "Plan", "Stage"]
+
+Placement = Literal["loop", "v"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,10 @@ class Plan:
     expert_modules: tuple[str, ...] = ()
     # Experts split by expert across the MoE mesh's ``ep`` dim.
     expert_parallel: ExpertParallel | None = None
+    # Pipeline stages, each with its own Plan; None without pipeline
+    # parallelism. A pipelined Plan's own units are empty: every unit
+    # belongs to a stage.
+    pipeline: Pipeline | None = None
     # What a reader must know before trusting the plan (no blocks found,
     # say); str(plan) prints these first and FSDP2Manager logs them.
     warnings: tuple[str, ...] = ()
@@ -126,3 +132,52 @@ class Plan:
 
     def __str__(self) -> str:
         return format_plan(self)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage of a Plan.
+
+    Attributes:
+        index: the stage's place in the pipeline (0 runs first).
+        rank: the pipeline rank (coordinate on the mesh's ``pp`` dim) running it.
+        modules: the parts it holds, module FQNs of the whole model.
+        plan: the stage's own Plan (units, TP, checkpointing), planned on
+            the stage's module; its FQNs are the whole model's.
+        numel: parameter elements the stage holds (tied ones once).
+        nbytes: their bytes at their storage dtypes.
+    """
+
+    index: int
+    rank: int
+    modules: tuple[str, ...]
+    plan: Plan
+    numel: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The pipeline of a Plan: how its stages are scheduled.
+
+    Attributes:
+        schedule: the torch schedule name.
+        microbatches: micro-batches per optimizer step.
+        size: pipeline ranks (the ``pp`` dim's size).
+        stages_per_rank: stages per pipeline rank.
+        placement: ``"loop"`` or ``"v"``.
+        container: the FQN of the module holding the blocks the stages split.
+        stages: every stage, in pipeline order.
+    """
+
+    schedule: str
+    microbatches: int
+    size: int
+    stages_per_rank: int
+    placement: Placement
+    container: str
+    stages: tuple[Stage, ...] = field(default=())
+
+    def stages_of(self, rank: int) -> tuple[Stage, ...]:
+        """The stages pipeline rank ``rank`` runs, in pipeline order."""
+        return tuple(s for s in self.stages if s.rank == rank)

@@ -53,6 +53,8 @@ from torch.distributed.tensor.parallel import (
 
 from ..plan._types import StreamStep, TPAssignment, preview
 from ..model._index import ModelIndex, unwrap_checkpoint
+from ..model._gap import StageGap
+from ..model._stages import STAGE_ATTRIBUTE
 from ._experts import ExpertsParallel
 from ._styles import (
     COLWISE_NAMES,
@@ -178,7 +180,7 @@ def sequence_layout(
             "FSDP2Config(blocks=...) or tensor_parallel(blocks=...), or declare _no_split_modules"
         )
     else:
-        _walk(p, stream)
+        _walk(p, stream, model)
     for fqn, (pattern, spec) in declared.items():
         if fqn in p.out.assignments:
             continue
@@ -211,6 +213,8 @@ class _Stream:
         sequence_parallel: bool,
     ) -> _Stream:
         head = output_head(model, index)
+        if head is not None and isinstance(index.modules.get(head), StageGap):
+            head = None  # a pipeline stage before the last: the head is another stage's
         stacks: dict[str, list[str]] = {}
         for b in blocks:
             stacks.setdefault(b.rpartition(".")[0], []).append(b)
@@ -265,8 +269,22 @@ def _children(index: ModelIndex, fqn: str) -> list[str]:
     ]
 
 
-def _walk(p: _Pass, s: _Stream) -> None:
-    cur = _Lay("whole", False, "")
+def _stage_position(model: nn.Module) -> tuple[bool, bool]:
+    """Whether the model is a pipeline stage after the first (the stream
+    enters as the previous stage's output) and before the last (it leaves
+    for the next stage, with no head of its own)."""
+    stage = getattr(model, STAGE_ATTRIBUTE, None)
+    if stage is None:
+        return False, False
+    index, count = stage
+    return index > 0, index < count - 1
+
+
+def _walk(p: _Pass, s: _Stream, model: nn.Module) -> None:
+    after_first, before_last = _stage_position(model)
+    # A later pipeline stage receives what the previous one handed on: under
+    # sequence parallelism, each rank's plain Shard(1) slice.
+    cur = _Lay("shard" if p.sp and after_first else "whole", False, "<previous pipeline stage>" if after_first else "")
     for fqn in s.pre:
         if fqn == s.embedding:
             cur = _embedding(p, fqn, cur)
@@ -278,6 +296,9 @@ def _walk(p: _Pass, s: _Stream) -> None:
         cur = _block(p, block, cur, first=i == 0)
     for fqn in s.post:
         cur = _on_stream(p, fqn, cur) if p.sp else _plain_module(p, fqn, cur)
+    if before_last:
+        p.step("<next pipeline stage>", "module", cur, cur, None)  # handed on as it is
+        return
     _head(p, s.head, cur)
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from ..core._globs import segment_match
+from ..model._stages import STAGE_ATTRIBUTE
 from ..core._names import Names
 from ..model._index import ModelIndex, PlanningError
 from ..plan._kinds import unit_blind
@@ -134,6 +135,8 @@ def tensor_parallel(
                 f"tensor_parallel: style for {pattern!r} must be a torch ParallelStyle or one of "
                 f"{', '.join((*STYLE_NAMES, EXPERTS_STYLE))}, got {type(spec).__name__}"
             )
+    # On a pipeline stage, entries naming another stage's modules match nothing here.
+    staged = getattr(model, STAGE_ATTRIBUTE, None) is not None
     on_moe_mesh = {f for g in moe_mesh_experts for f in index.match(g)}
     experts, consumed = _expert_styles(index, declared, explicit, on_moe_mesh, problems, skipped, warnings)
     for pattern, spec in declared.items():
@@ -152,7 +155,7 @@ def tensor_parallel(
             continue
         matched = index.match(pattern)
         if not matched:
-            if explicit:
+            if explicit and not staged:
                 problems.append(f"{pattern!r} matches no module of {type(model).__name__}")
             else:  # Hugging Face plans also name parameters and layers a config may not build
                 skipped.append((pattern, spec if isinstance(spec, str) else describe_style(spec), "matches no module"))
@@ -241,7 +244,7 @@ def _expert_styles(
         consumed.update(f"{pattern}.{name}" for name in entries)
         matched = index.match(pattern)
         if not matched:
-            if explicit:
+            if explicit and not staged:
                 problems.append(f"{pattern!r} matches no module")
             else:
                 skipped.append((pattern, EXPERTS_STYLE, "matches no module"))

@@ -18,6 +18,7 @@ from torch import nn
 from ...core._args import require_module
 from ...core._names import Names, name_tokens
 from ...hf import hf_replica_reductions
+from ...model._stages import STAGE_ATTRIBUTE
 from ...model._index import ModelIndex, PlanningError
 from .._compose import model_index
 from .._kinds import unit_blind
@@ -46,7 +47,8 @@ def _matching(index: ModelIndex, patterns: Collection[str]) -> dict[str, list[st
         if head:
             candidates = list(compress(candidates, map(str.startswith, candidates, repeat(head))))
         out[glob] = list(filter(re.compile(fnmatch.translate(glob)).match, candidates))
-    return out
+    gaps = index.stage_gaps  # a pipeline stage's stand-ins for other stages' parts match nothing
+    return {g: [f for f in fs if f not in gaps] for g, fs in out.items()} if gaps else out
 
 
 _WILDCARDS = frozenset("*?[")
@@ -139,6 +141,13 @@ def mark_reduction(
             + f"; use one of {REDUCTIONS}"
         )
     matches = _matching(index, [*marks, *globs])
+    if getattr(model, STAGE_ATTRIBUTE, None) is not None:
+        # A pipeline stage: marks are written for the whole model, so a glob
+        # naming only what other stages hold (absent here, or a gap, which
+        # matches nothing) is theirs, not a mistake.
+        skipped = {g for g, fs in matches.items() if not fs}
+        valid = {g: r for g, r in valid.items() if g not in skipped}
+        globs = tuple(g for g in globs if g not in skipped)
     out: dict[str, Reduction] = dict(plan.reductions)
     source: dict[str, str] = {}
     for pattern, reduction in valid.items():
