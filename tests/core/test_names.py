@@ -1,5 +1,5 @@
 """The one name rule, the one collapser and the one byte formatter, by
-example (their properties are in property_tests/test_names_properties.py):
+example (their properties are in property_tests/core/test_names_properties.py):
 the strings every report prints."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Small models shared by the example-based tests.
+"""Small models shared by the example-based and property tests.
 
 ``TinyDecoder`` declares everything the bare transforms read from a model:
 ``_no_split_modules`` (its blocks), ``_keep_in_fp32_modules_strict`` (the
@@ -152,6 +152,22 @@ def container(**children: nn.Module) -> nn.Module:
     for name, child in children.items():
         m.add_module(name, child)
     return m
+
+
+def module_tree(paths: list[list[str]]) -> nn.Module:
+    """Tensor-less modules at the given paths (each a list of child names from
+    the root), sharing the prefixes paths have in common: a module tree whose
+    shape alone is under test, as in how globs find modules."""
+    root = nn.Module()
+    for path in paths:
+        here = root
+        for name in path:
+            if name not in here._modules:
+                here.add_module(name, nn.Module())
+            child = here._modules[name]
+            assert child is not None
+            here = child
+    return root
 
 
 def master_weights(module: nn.Module, *suffixes: str) -> nn.Module:

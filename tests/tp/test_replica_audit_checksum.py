@@ -1,7 +1,8 @@
 """The audit's checksums (of each tensor's bits, per row of words) change with
 every kind of drift a plain sum or norm of the copies misses, for small
 tensors (stacked in batches) and for tensors of several rows, and equal
-copies always get equal checksums."""
+copies always get equal checksums (that any one changed bit changes them is
+a property, in property_tests/tp/test_replica_audit_checksum_properties.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from audit_checksums import per_tensor
 
-from fsdptx.tp._audit import _ROW_WORDS, _checksums
-
-CPU = torch.device("cpu")
-
-
-def per_tensor(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's row checksums."""
-    rows, counts = _checksums(tensors, CPU)
-    return list(rows.split(counts))
+from fsdptx.tp._audit import _ROW_WORDS
 
 
 def _swap(t: torch.Tensor, i: int, j: int) -> None:
@@ -71,31 +63,6 @@ def test_a_drift_that_keeps_the_sum_or_the_norm_changes_the_checksum(
     after = per_tensor([changed, *others])
     assert not torch.equal(before[0], after[0])
     assert all(torch.equal(a, b) for a, b in zip(before[1:], after[1:]))
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    numel=st.integers(1, 3 * _ROW_WORDS),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool]),
-    seed=st.integers(0, 2**31),
-    data=st.data(),
-)
-def test_one_changed_element_always_changes_its_tensors_checksums(
-    numel: int, dtype: torch.dtype, seed: int, data: st.DataObject
-) -> None:
-    g = torch.Generator().manual_seed(seed)
-    base = (torch.randn(numel, generator=g) * 100).to(dtype) if dtype != torch.bool else torch.rand(numel, generator=g) > 0.5
-    changed = base.clone()
-    i = data.draw(st.integers(0, numel - 1))
-    words = changed.view(torch.uint8)
-    byte = data.draw(st.integers(0, changed.element_size() - 1))
-    if dtype == torch.bool:
-        changed[i] = ~changed[i]
-    else:
-        words[i * changed.element_size() + byte] ^= 1 << data.draw(st.integers(0, 7))
-    a, b, c = per_tensor([base, base.clone(), changed])
-    assert torch.equal(a, b)
-    assert not torch.equal(a, c)
 
 
 @pytest.mark.parametrize(
