@@ -129,17 +129,18 @@ def clip_grad_norm_(
     if not isinstance(error_if_nonfinite, bool):
         raise TypeError(f"clip_grad_norm_: error_if_nonfinite must be a bool, got {error_if_nonfinite!r}")
     params = [param for _fqn, param in iter_unique_named_parameters(parts) if param.grad is not None]
-    for param in params:
-        _reduce_partial(param)
-    grads = [param.grad for param in params if param.grad is not None]
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     holders = world // pp  # ranks that hold one stage
-    device = grads[0].device if grads else torch.device("cpu")
+    device = params[0].grad.device if params and params[0].grad is not None else torch.device("cpu")
     if distributed and device.type == "meta":
         device = torch.device("cpu")
     if distributed:
+        # Before the Partial reductions: a refused call changes no gradient.
         _agree([max_norm, p], device)
+    for param in params:
+        _reduce_partial(param)
+    grads = [param.grad for param in params if param.grad is not None]
     inf = math.isinf(p)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
