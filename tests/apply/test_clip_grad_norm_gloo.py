@@ -22,13 +22,14 @@ refused on every rank, before any gradient changes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdptx
@@ -88,7 +89,19 @@ def reference(layout: str) -> list[tuple[float, dict[str, torch.Tensor]]]:
     return out
 
 
-def _pipelined(names: tuple[str, ...], sp: bool) -> list[tuple[float, dict[str, torch.Tensor]]]:
+def _backward(stages: fsdptx.PipelineStages, mesh: DeviceMesh, x: torch.Tensor, y: torch.Tensor) -> None:
+    for m in stages:
+        m.zero_grad()
+    stages.step(inputs=x if stages.is_first else None, target=y if stages.is_last else None)
+    if "tp" in (mesh.mesh_dim_names or ()):
+        fsdptx.synchronize_tp_replica_gradients(stages, mesh)
+
+
+def _pipelined(
+    names: tuple[str, ...], sp: bool
+) -> tuple[list[tuple[float, dict[str, torch.Tensor]]], Callable[[], fsdptx.PipelineStages]]:
+    """Clipped results per norm type, and a function that runs one more
+    backward on the same stages and returns them."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     config = fsdptx.FSDP2Config(
         mp_policy=None,
@@ -103,14 +116,14 @@ def _pipelined(names: tuple[str, ...], sp: bool) -> list[tuple[float, dict[str, 
         x, y = x.chunk(dp.size())[dp.get_local_rank()], y.chunk(dp.size())[dp.get_local_rank()]
     out = []
     for norm_type, max_norm in NORMS:
-        for m in stages:
-            m.zero_grad()
-        stages.step(inputs=x if stages.is_first else None, target=y if stages.is_last else None)
-        if "tp" in names:
-            fsdptx.synchronize_tp_replica_gradients(stages, mesh)
+        _backward(stages, mesh, x, y)
         total = fsdptx.clip_grad_norm_(stages, max_norm, norm_type)
         out.append((total.item(), full_grads(stages)))
-    return out
+    def again() -> fsdptx.PipelineStages:
+        _backward(stages, mesh, x, y)
+        return stages
+
+    return out, again
 
 
 def _experts_on_another_mesh(rank: int) -> list[tuple[float, dict[str, torch.Tensor]]]:
@@ -130,20 +143,13 @@ def _experts_on_another_mesh(rank: int) -> list[tuple[float, dict[str, torch.Ten
     return out
 
 
-def _disagreeing_max_norm(rank: int) -> dict[str, Any]:
-    """Every rank passes its own ``max_norm``: each must raise, with its
-    gradients as they were, the sequence-parallel norms' ``Partial`` ones
-    included (reducing them is a change the refusal must come before)."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    config = fsdptx.FSDP2Config(
-        mp_policy=None,
-        sequence_parallel=True,
-        pipeline_parallel=fsdptx.PipelineParallelConfig(microbatches=MICROBATCHES),
-    )
-    stages = fsdptx.FSDP2Manager(config, mesh).parallelize(decoder(), loss_fn=loss_fn)
-    assert isinstance(stages, fsdptx.PipelineStages)
-    x, y = decoder_batch()
-    stages.step(inputs=x if stages.is_first else None, target=y if stages.is_last else None)
+def _disagreeing_max_norm(rank: int, backward: Callable[[], fsdptx.PipelineStages]) -> dict[str, Any]:
+    """Every rank passes its own ``max_norm`` to clip the gradients of a
+    fresh ``backward`` (pp=2 x tp=2 with sequence parallelism): each must raise,
+    with its gradients as they were, the sequence-parallel norms'
+    ``Partial`` ones included (reducing them is a change the refusal must
+    come before)."""
+    stages = backward()
     grads = [p.grad for m in stages for p in m.parameters()]
     partial = sum(isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements) for g in grads)
     before = [(g.to_local() if isinstance(g, DTensor) else g).clone() for g in grads]
@@ -165,12 +171,11 @@ LAYOUTS = ("pp2 x dp2", "pp2 x tp2 SP", "moe")
 
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     del world_size
-    return {
-        "pp2 x dp2": _pipelined(("pp", "dp"), sp=False),
-        "pp2 x tp2 SP": _pipelined(("pp", "tp"), sp=True),
-        "moe": _experts_on_another_mesh(rank),
-        "disagreement": _disagreeing_max_norm(rank),
-    }
+    out: dict[str, Any] = {"pp2 x dp2": _pipelined(("pp", "dp"), sp=False)[0]}
+    out["pp2 x tp2 SP"], backward = _pipelined(("pp", "tp"), sp=True)
+    out["moe"] = _experts_on_another_mesh(rank)
+    out["disagreement"] = _disagreeing_max_norm(rank, backward)
+    return out
 
 
 @pytest.fixture(scope="module")
