@@ -28,6 +28,7 @@ from ..core._torch_internals import composable_checkpoint
 from ..model._index import ModelIndex
 from ..model._stages import PipelineParts, build_stage_module
 from ..plan._plan import Pipeline, Plan
+from ..plan._stages import microbatch_problem
 from ._apply import CheckpointModule, ParallelizeModule, ShardModule, apply_resolved, precheck
 from ._check import checked_units, fail, require_mesh
 from ._experts import HandEpMesh, hand_ep_mesh
@@ -194,8 +195,8 @@ def apply_pipeline(
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: the Plan has no pipeline, or the mesh's ``pp`` dim does
-            not match it.
+        ValueError: the Plan has no pipeline, the mesh's ``pp`` dim does
+            not match it, or its schedule cannot run its micro-batch count.
         PlanMismatchError: a stage's Plan does not fit; nothing was changed.
 
     Example::
@@ -216,6 +217,9 @@ def apply_pipeline(
     if pipeline is None:
         raise ValueError("apply_pipeline: the Plan has no pipeline stages; apply it with fsdptx.apply_plan")
     rank = pipeline_coordinate(mesh, pipeline, "apply_pipeline")
+    problem = microbatch_problem(pipeline.schedule, pipeline.microbatches, len(pipeline.stages), pipeline.size)
+    if problem is not None:
+        raise ValueError(f"apply_pipeline: {problem}")
     index = ModelIndex.build(model)
     parts = PipelineParts.from_split(tuple(f for s in pipeline.stages for f in s.modules), pipeline.container)
     missing = [f for f in parts.ordered + parts.spine if f not in index.modules]

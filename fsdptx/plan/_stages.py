@@ -33,6 +33,7 @@ __all__ = [
     "PipelineParallelConfig",
     "bubble_fraction",
     "in_flight_microbatches",
+    "microbatch_problem",
     "plan_pipeline",
     "split_stages",
     "stage_ranks",
@@ -169,6 +170,39 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, microbatc
     if schedule == "GPipe":
         return microbatches
     return min(microbatches, num_stages - stage)
+
+
+def _interleaved_fits(microbatches: int, pp: int) -> bool:
+    """torch's interleaved schedules split the micro-batches into
+    ``microbatches // pp`` rounds (at least one) of equal size."""
+    return microbatches % max(1, microbatches // pp) == 0
+
+
+def microbatch_problem(schedule: str, microbatches: int, num_stages: int, pp: int) -> str | None:
+    """Why torch's ``schedule`` would refuse ``microbatches`` for
+    ``num_stages`` stages on ``pp`` ranks (``None`` when it runs them).
+
+    torch checks this only when the schedule is built, after every stage
+    has been sharded; the planner asks first, so the refusal comes before
+    anything changes. 1F1B and DualPipeV need a micro-batch per stage;
+    Interleaved1F1B and InterleavedZeroBubble split the micro-batches into
+    ``microbatches // pp`` rounds of equal size.
+    """
+    if schedule in ("1F1B", "DualPipeV") and microbatches < num_stages:
+        return (
+            f"pipeline parallelism: schedule {schedule!r} needs at least one micro-batch per stage, got "
+            f"microbatches={microbatches} for {num_stages} stages; use microbatches >= {num_stages}"
+            + (" or schedule='GPipe'" if schedule == "1F1B" else "")
+        )
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and not _interleaved_fits(microbatches, pp):
+        below = next(m for m in range(microbatches - 1, 0, -1) if _interleaved_fits(m, pp))
+        above = next(m for m in range(microbatches + 1, 2 * microbatches + pp) if _interleaved_fits(m, pp))
+        return (
+            f"pipeline parallelism: schedule {schedule!r} splits the micro-batches into microbatches // pp = "
+            f"{microbatches // pp} equal rounds on pp={pp}, which microbatches={microbatches} does not divide into; "
+            f"use microbatches={below} or {above} (a multiple of pp always fits)"
+        )
+    return None
 
 
 def _even_counts(n: int, stages: int) -> list[int]:
@@ -315,8 +349,9 @@ def plan_pipeline(
         A Plan whose ``pipeline`` holds every stage and its Plan.
 
     Raises:
-        PlanningError: the model cannot be split as asked, or tied
-            parameters would land on different stages; nothing is changed.
+        PlanningError: the model cannot be split as asked, tied
+            parameters would land on different stages, or the schedule
+            cannot run the micro-batch count; nothing is changed.
 
     Example::
 
@@ -345,6 +380,9 @@ def plan_pipeline(
     num = len(split)
     ranks = stage_ranks(num, pp, config.resolved_placement)
     microbatches = config.microbatches if config.microbatches is not None else num
+    problem = microbatch_problem(config.schedule, microbatches, num, pp)
+    if problem is not None:
+        raise PlanningError(problem)
     warnings: list[str] = []
     if microbatches < num:
         warnings.append(
