@@ -179,7 +179,8 @@ def _tp_sp_step(shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[int, ..
 
 def test_a_fake_world_does_not_inherit_dtensor_decisions_from_an_earlier_one() -> None:
     """DTensor caches sharding decisions by mesh layout: a (dp, tp) world's
-    tp submesh looks like a later (pp, dp, tp) world's, whose forward then
-    used the destroyed world's decisions and failed, depending on test order."""
+    tp submesh looks like a later (dp_replicate, dp_shard, tp) world's, whose
+    forward then used the destroyed world's decisions and failed, depending
+    on test order."""
     assert _tp_sp_step((2, 2), ("dp", "tp")) == (2, 8, 64)
-    assert _tp_sp_step((2, 1, 2), ("pp", "dp", "tp")) == (2, 8, 64)
+    assert _tp_sp_step((2, 1, 2), ("dp_replicate", "dp_shard", "tp")) == (2, 8, 64)

@@ -218,7 +218,6 @@ CASES: dict[str, Case] = {
         {"sequence_parallel": True, "activation_checkpointing": "full"},
     ),
     "dp_shard2-cp2": Case((2, 2), ("dp_shard", "cp"), (("dp_shard_cp", "S0"),), dict(_NO_MP)),
-    "pp2-dp2-tp2": Case((2, 2, 2), ("pp", "dp", "tp"), (("dp", "S0"),), dict(_NO_MP)),
 }
 
 
@@ -299,12 +298,6 @@ def test_blocks_reshard_except_the_last_and_the_root_never() -> None:
     plan = _plan_for((2, 2), ("dp", "tp"))
     flags = {u.modules[0]: u.reshard_after_forward for u in plan.units}
     assert flags == {"layers.0": True, "layers.1": True, "layers.2": False, "": False}
-
-
-def test_pipeline_parallel_plans_no_reshard_and_no_prefetch() -> None:
-    plan = _plan_for((2, 2, 2), ("pp", "dp", "tp"))
-    assert {u.reshard_after_forward for u in plan.units} == {False}
-    assert plan.prefetch == ()
 
 
 def test_prefetch_chains_reach_forward_and_backward_depth_blocks() -> None:
