@@ -158,7 +158,8 @@ def tensor_parallel(
             if explicit and not staged:
                 problems.append(f"{pattern!r} matches no module of {type(model).__name__}")
             else:  # Hugging Face plans also name parameters and layers a config may not build
-                skipped.append((pattern, spec if isinstance(spec, str) else describe_style(spec), "matches no module"))
+                why = "matches no module of this pipeline stage" if staged else "matches no module"
+                skipped.append((pattern, spec if isinstance(spec, str) else describe_style(spec), why))
             continue
         if isinstance(spec, str) and spec in REPLICA_SUM_STYLES:
             for fqn in matched:
