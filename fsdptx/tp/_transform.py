@@ -245,7 +245,7 @@ def _expert_styles(
         consumed.update(f"{pattern}.{name}" for name in entries)
         matched = index.match(pattern)
         if not matched:
-            if explicit and not staged:
+            if explicit and getattr(index.root, STAGE_ATTRIBUTE, None) is None:
                 problems.append(f"{pattern!r} matches no module")
             else:
                 skipped.append((pattern, EXPERTS_STYLE, "matches no module"))
