@@ -56,9 +56,9 @@ from .tp.sync._ops import broadcast_tp_replicas, synchronize_tp_replica_gradient
 
 # apply: carrying a plan out
 from .apply._apply import apply_plan
+from .apply._check import PlanMismatchError, check_plan
 from .apply._clip import clip_grad_norm_
 from .apply._pipeline import PipelineStages, apply_pipeline
-from .apply._check import PlanMismatchError, check_plan
 from .apply._unused import configure_fsdp_unused_param_reduction
 
 # compat: the seed-compatible imperative API and the MTP guards

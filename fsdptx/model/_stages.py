@@ -266,6 +266,6 @@ def build_stage_module(
     root = copies[""]
     forward = type(model).forward.__get__(root)
     takes_use_cache = "use_cache" in inspect.signature(forward).parameters
-    root.forward = functools.partial(_stage_forward, forward, takes_use_cache)  # type: ignore[method-assign]
+    root.forward = functools.partial(_stage_forward, forward, takes_use_cache)
     setattr(root, STAGE_ATTRIBUTE, (stage, num_stages))
     return root

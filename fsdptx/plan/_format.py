@@ -10,6 +10,7 @@ names the Plan only through :class:`PlanView`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -223,6 +224,19 @@ def format_requests(plan: PlanView) -> list[str]:
     return lines
 
 
+def _in_order(names: tuple[str, ...]) -> str:
+    """A stage's parts in forward order, each run of blocks collapsed
+    (``embed_tokens, layers.{0..3}``)."""
+    groups: list[list[str]] = []
+    for name in names:
+        shape = re.sub(r"\d+", "#", name)
+        if groups and re.sub(r"\d+", "#", groups[-1][-1]) == shape:
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    return ", ".join(label for group in groups for label in collapse_names(group))
+
+
 def format_pipeline(pipeline: PipelineView, warnings: tuple[str, ...] = ()) -> str:
     """The stage table (index, pipeline rank, parts, parameters), then each
     stage's plan, indented under its heading."""
@@ -236,7 +250,7 @@ def format_pipeline(pipeline: PipelineView, warnings: tuple[str, ...] = ()) -> s
         (
             str(s.index),
             str(s.rank),
-            ", ".join(collapse_names(s.modules)),
+            _in_order(s.modules),
             str(sum(len(u.params) for u in s.plan.units) or "-"),
             f"{s.numel:,}",
             format_bytes(s.nbytes),
@@ -249,6 +263,6 @@ def format_pipeline(pipeline: PipelineView, warnings: tuple[str, ...] = ()) -> s
     lines.extend(table)
     for s in pipeline.stages:
         lines.append("")
-        lines.append(f"stage {s.index} (pp rank {s.rank}): {', '.join(collapse_names(s.modules))}")
+        lines.append(f"stage {s.index} (pp rank {s.rank}): {_in_order(s.modules)}")
         lines.extend("  " + line if line else line for line in format_plan(s.plan).splitlines())
     return "\n".join(lines)

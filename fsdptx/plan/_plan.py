@@ -146,6 +146,11 @@ class Stage:
             the stage's module; its FQNs are the whole model's.
         numel: parameter elements the stage holds (tied ones once).
         nbytes: their bytes at their storage dtypes.
+
+    Example::
+
+        first = manager.plan(model).pipeline.stages[0]
+        print(first.rank, first.modules, first.plan)  # the stage's own units
     """
 
     index: int
@@ -168,6 +173,12 @@ class Pipeline:
         placement: ``"loop"`` or ``"v"``.
         container: the FQN of the module holding the blocks the stages split.
         stages: every stage, in pipeline order.
+
+    Example::
+
+        p = manager.plan(model)           # FSDP2Config(pipeline_parallel=...)
+        for stage in p.pipeline.stages_of(rank=0):
+            print(stage.index, stage.modules)
     """
 
     schedule: str

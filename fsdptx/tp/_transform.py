@@ -158,7 +158,8 @@ def tensor_parallel(
             if explicit and not staged:
                 problems.append(f"{pattern!r} matches no module of {type(model).__name__}")
             else:  # Hugging Face plans also name parameters and layers a config may not build
-                skipped.append((pattern, spec if isinstance(spec, str) else describe_style(spec), "matches no module"))
+                why = "matches no module of this pipeline stage" if staged else "matches no module"
+                skipped.append((pattern, spec if isinstance(spec, str) else describe_style(spec), why))
             continue
         if isinstance(spec, str) and spec in REPLICA_SUM_STYLES:
             for fqn in matched:
@@ -244,7 +245,7 @@ def _expert_styles(
         consumed.update(f"{pattern}.{name}" for name in entries)
         matched = index.match(pattern)
         if not matched:
-            if explicit and not staged:
+            if explicit and getattr(index.root, STAGE_ATTRIBUTE, None) is None:
                 problems.append(f"{pattern!r} matches no module")
             else:
                 skipped.append((pattern, EXPERTS_STYLE, "matches no module"))
