@@ -9,150 +9,69 @@ Plan purely, apply once::
     ...
     loss.backward()
     fsdptx.synchronize_tp_replica_gradients([model], mesh)   # once per optimizer step
+
+The contract's names load on first use: ``import fsdptx`` (or of any of its
+subpackages, such as the pytest plugin ``fsdptx.testing.plugin``, which
+every pytest run of a suite with fsdptx installed loads) imports no torch;
+the first name read imports them all, from :mod:`fsdptx._contract`, where
+each is imported from the module that defines it.
 """
 
-# The contract: every public name, grouped by layer (see docs/architecture.md).
-# Sorted within each section.
+from __future__ import annotations
 
-# core: pure building blocks
-from .core._caches import caches, clear_caches
-from .core._chunks import DEFAULT_MAX_BUFFER_BYTES, gradient_chunks
-from .core._dtypes import gradient_reduce_dtype, group_params_by_dtype, make_compute_dtype_fn
-from .core._policy import get_internal_fsdp_mp_policy, mp_policy_with_param_dtype
-from .core._tree import (
-    get_module_from_path,
-    iter_maximal_uniform_dtype_subtrees,
-    iter_unique_named_buffers,
-    iter_unique_named_parameters,
-)
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
-# model: the walk and the model index
-from .model._index import PlanningError
+if TYPE_CHECKING:
+    from ._contract import *  # noqa: F403  (the names, for type checkers)
+    from ._contract import __all__ as __all__
 
-# plan: the Plan, its transforms, and plan files
-from .plan._compose import Transform, compose, plan
-from .plan._diff import PlanDiff, diff_plans
-from .plan._json import plan_from_json, plan_to_json
-from .plan._plan import Pipeline, Plan, Stage
-from .plan._stages import PipelineParallelConfig, plan_pipeline
-from .plan._types import Checkpointing, ExpertParallel, Prefetch, Reduction, TPAssignment, TensorParallel, Unit
-from .plan.transforms import (
-    checkpoint_activations,
-    expert_parallel,
-    mark_reduction,
-    prefetch,
-    reduce_unused_params,
-    reshard_policy,
-    shard_across_blocks,
-    shard_by_dtype,
-)
 
-# tp: tensor/sequence parallelism, TP-replica marks, sync and audit
-from .tp import loss_parallel, tensor_parallel
-from .tp._audit import Drift, ReplicaAudit, audit_replicas, audit_replicas_every
-from .tp._marks import exclude_from_tp_replica_sync, mark_tp_replica_gradient_reduction
-from .tp.sync._context import is_tp_replicated
-from .tp.sync._ops import broadcast_tp_replicas, synchronize_tp_replica_gradients
+class _Contract(types.ModuleType):
+    """The ``fsdptx`` module: a name it does not hold yet loads the contract
+    (:mod:`fsdptx._contract`, every name at once) and is then an attribute
+    like any other. Private and dunder names (``_contract`` while it is
+    imported, ``__path__``, ``__wrapped__``, ...: what the import system and
+    tools probe modules for) never load it; ``__all__`` does.
 
-# apply: carrying a plan out
-from .apply._apply import apply_plan
-from .apply._check import PlanMismatchError, check_plan
-from .apply._clip import clip_grad_norm_
-from .apply._pipeline import PipelineStages, apply_pipeline
-from .apply._unused import configure_fsdp_unused_param_reduction
+    ``plan`` is both a name of the contract (the function) and a
+    subpackage. Importing a subpackage binds it on its parent, so whichever
+    of ``fsdptx.plan.*`` is imported first would otherwise replace the
+    function with the subpackage; a data descriptor on the class wins over
+    that binding, and the subpackage stays reachable through ``import``."""
 
-# compat: the seed-compatible imperative API and the MTP guards
-from .compat._imperative import (
-    ParameterSet,
-    fully_shard_across_blocks,
-    fully_shard_by_dtype,
-    reject_unsupported_mtp_cp,
-    reject_unsupported_mtp_cp_pp,
-)
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") and name != "__all__":
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        contract = _load()
+        if name == "__all__" or name in contract.__all__:
+            return getattr(contract, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-# manager: the all-in-one entry point
-from .manager import FSDP2Config, FSDP2Manager, gradient_sync_context, patch_is_packed_sequence
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *_load().__all__})
 
-# cli: the dry run's memory estimate of one traced training step
-from .cli._memory import MemoryEstimate, estimate_memory
+    @property
+    def plan(self) -> Any:
+        return _load().plan
 
-__all__ = [
-    # core
-    "DEFAULT_MAX_BUFFER_BYTES",
-    "caches",
-    "clear_caches",
-    "get_internal_fsdp_mp_policy",
-    "get_module_from_path",
-    "gradient_chunks",
-    "gradient_reduce_dtype",
-    "group_params_by_dtype",
-    "iter_maximal_uniform_dtype_subtrees",
-    "iter_unique_named_buffers",
-    "iter_unique_named_parameters",
-    "make_compute_dtype_fn",
-    "mp_policy_with_param_dtype",
-    # model
-    "PlanningError",
-    # plan
-    "Checkpointing",
-    "ExpertParallel",
-    "Pipeline",
-    "PipelineParallelConfig",
-    "Plan",
-    "PlanDiff",
-    "Prefetch",
-    "Reduction",
-    "Stage",
-    "TPAssignment",
-    "TensorParallel",
-    "Transform",
-    "Unit",
-    "checkpoint_activations",
-    "compose",
-    "diff_plans",
-    "expert_parallel",
-    "mark_reduction",
-    "plan",
-    "plan_from_json",
-    "plan_pipeline",
-    "plan_to_json",
-    "prefetch",
-    "reduce_unused_params",
-    "reshard_policy",
-    "shard_across_blocks",
-    "shard_by_dtype",
-    # tp
-    "Drift",
-    "ReplicaAudit",
-    "audit_replicas",
-    "audit_replicas_every",
-    "broadcast_tp_replicas",
-    "exclude_from_tp_replica_sync",
-    "is_tp_replicated",
-    "loss_parallel",
-    "mark_tp_replica_gradient_reduction",
-    "synchronize_tp_replica_gradients",
-    "tensor_parallel",
-    # apply
-    "PipelineStages",
-    "PlanMismatchError",
-    "apply_pipeline",
-    "apply_plan",
-    "check_plan",
-    "clip_grad_norm_",
-    "configure_fsdp_unused_param_reduction",
-    # compat
-    "ParameterSet",
-    "fully_shard_across_blocks",
-    "fully_shard_by_dtype",
-    "reject_unsupported_mtp_cp",
-    "reject_unsupported_mtp_cp_pp",
-    # manager
-    "FSDP2Config",
-    "FSDP2Manager",
-    "gradient_sync_context",
-    "patch_is_packed_sequence",
-    # cli
-    "MemoryEstimate",
-    "estimate_memory",
-]
+    @plan.setter
+    def plan(self, value: Any) -> None:
+        """Where the import system binds the subpackage ``fsdptx.plan``:
+        ``fsdptx.plan`` stays the function (the subpackage is
+        ``sys.modules["fsdptx.plan"]``)."""
+
+
+def _load() -> types.ModuleType:
+    """Import every contract name (and ``__all__``) into this module, once."""
+    _contract = importlib.import_module("._contract", __name__)
+    namespace = vars(sys.modules[__name__])
+    if "__all__" not in namespace:
+        namespace.update((name, getattr(_contract, name)) for name in _contract.__all__ if name != "plan")
+        namespace["__all__"] = list(_contract.__all__)
+    return _contract
+
+
+sys.modules[__name__].__class__ = _Contract

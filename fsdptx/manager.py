@@ -32,6 +32,7 @@ from .core._meshes import ParallelDims, ep_size, moe_dp_dims, parallel_dims, tp_
 from .core._policy import check_policy_dtypes
 from .core._torch_internals import (
     enable_symmetric_memory,
+    fsdp_is_root,
     fsdp_param_groups,
     fsdp_state,
     micro_pipeline_tp,
@@ -52,7 +53,7 @@ from .plan.transforms import (
     shard_across_blocks,
     shard_by_dtype,
 )
-from .tp import check_tensor_parallel, tensor_parallel
+from .tp import check_tensor_parallel, tensor_parallel, without_tensor_parallel
 
 __all__ = ["FSDP2Config", "FSDP2Manager", "gradient_sync_context", "patch_is_packed_sequence"]
 
@@ -177,9 +178,12 @@ class FSDP2Config:
     and stored as a read-only, hashable mapping, so the config stays frozen
     and hashable. ``mp_policy`` dtypes must be floating.
 
-    ``defer_fsdp_grad_sync`` is the default of :meth:`FSDP2Manager.gradient_sync_context`'s
-    ``defer``: with ``True`` gradient accumulation reduce-scatters only on
-    the micro-batch that ends the optimizer step.
+    ``defer_fsdp_grad_sync`` is the ``defer`` of :meth:`FSDP2Manager.gradient_sync_context`,
+    the one place it is read: with ``True`` gradient accumulation
+    reduce-scatters only on the micro-batch that ends the optimizer step,
+    with ``False`` on every micro-batch. The module-level
+    :func:`gradient_sync_context` reads no config (``defer=True`` unless
+    passed).
 
     Beyond the reference: ``expert_modules`` (globs of expert modules,
     sharded over ``moe_mesh``; default: what the model declares; given
@@ -196,7 +200,10 @@ class FSDP2Config:
 
     The mixed-precision policy applies on every mesh: with one
     data-parallel rank each block is still an FSDP unit (on a size-1
-    data-parallel mesh), which is what casts it, as the reference does.
+    data-parallel mesh), which is what casts it; the Plan's warnings say
+    so. The reference does the same with a ``tp`` dim, but skips FSDP (and
+    so the cast) on a world of one rank; ``mp_policy=None`` with no
+    ``offload_policy`` gives that (no units; checkpointing still applies).
 
     Deliberately absent: ``activation_checkpointing_scope``,
     ``autocast_dtype`` and ``multimodal``. The reference pages fsdptx is
@@ -301,7 +308,13 @@ class FSDP2Config:
             value = getattr(self, name)
             if value is not None:
                 # Stored as a tuple (the config stays hashable); a bare string is one name.
-                object.__setattr__(self, name, name_tokens(value, f"FSDP2Config.{name}"))
+                names = name_tokens(value, f"FSDP2Config.{name}")
+                if "" in names:
+                    raise ValueError(
+                        f"FSDP2Config.{name} holds an empty name in {names!r}; give module names or globs "
+                        "(an empty one would match the root or every module)"
+                    )
+                object.__setattr__(self, name, names)
 
     @property
     def checkpoint_mode(self) -> Literal["full", "selective"] | None:
@@ -355,6 +368,9 @@ class FSDP2Manager:
     def __init__(self, config: FSDP2Config, device_mesh: DeviceMesh, moe_mesh: DeviceMesh | None = None) -> None:
         if not isinstance(config, FSDP2Config):
             raise TypeError(f"FSDP2Manager: config must be an FSDP2Config, got {type(config).__name__}")
+        for argument, mesh in (("device_mesh", device_mesh), ("moe_mesh", moe_mesh)):
+            if not (isinstance(mesh, DeviceMesh) or (mesh is None and argument == "moe_mesh")):
+                raise TypeError(f"FSDP2Manager: {argument} must be a torch DeviceMesh, got {type(mesh).__name__}")
         self.dims: ParallelDims = parallel_dims(device_mesh)
         _check_pipeline_dims(config, device_mesh, self.dims)
         if moe_mesh is not None:
@@ -372,8 +388,6 @@ class FSDP2Manager:
         self.device_mesh = device_mesh
         self.moe_mesh = moe_mesh
         self._inductor_micro_pipeline_tp: list[bool] = []  # values async TP replaced, to restore
-        if config.sequence_parallel and self.dims.tp == 1:
-            logger.info("FSDP2Manager: sequence_parallel has no effect without a tp dim of size > 1")
         if config.tp_plan is not None and self.dims.tp == 1:
             logger.info("FSDP2Manager: tp_plan is not applied (nor checked) without a tp dim of size > 1")
 
@@ -404,6 +418,12 @@ class FSDP2Manager:
                     moe_mesh_experts=self._expert_modules(model),
                 )
             )
+        elif cfg.sequence_parallel or cfg.loss_parallel:  # said on the Plan's first lines
+            steps.append(
+                functools.partial(
+                    without_tensor_parallel, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel
+                )
+            )
         if cfg.checkpoint_mode is not None:
             steps.append(functools.partial(checkpoint_activations, mode=cfg.checkpoint_mode, blocks=blocks))
         units = self._plans_units()
@@ -413,7 +433,9 @@ class FSDP2Manager:
                 functools.partial(shard_across_blocks, module_names=cfg.cross_block_modules, blocks=blocks),
             ]
         if ep_size(self.moe_mesh) > 1:
-            steps.append(functools.partial(expert_parallel, expert_modules=self._expert_modules(model)))
+            steps.append(
+                functools.partial(expert_parallel, expert_modules=self._expert_modules(model), ep=ep_size(self.moe_mesh))
+            )
         steps.append(mark_reduction)
         if units:
             staged = cfg.pipeline_parallel is not None
@@ -474,6 +496,9 @@ class FSDP2Manager:
             reshard_after_forward=self.config.reshard_after_forward,
         )
         self._check_tp(result, model, index)
+        note = self._one_rank_note(result)
+        if note is not None and note not in result.warnings:
+            result = result.replace(warnings=result.warnings + (note,))
         return result
 
     def _check_tp(self, result: Plan, model: nn.Module, index: ModelIndex | None) -> None:
@@ -481,6 +506,33 @@ class FSDP2Manager:
             problems = check_tensor_parallel(result.tensor_parallel, model, self.dims.tp, index=index)
             if problems:
                 raise ValueError("FSDP2Manager: the TP plan does not fit tp=%d:\n  - %s" % (self.dims.tp, "\n  - ".join(problems)))
+
+    def _one_rank_note(self, planned: Plan) -> str | None:
+        """What the Plan says when it has FSDP units on one data-parallel
+        rank: they shard nothing and are there only because FSDP is what
+        applies the policies (:meth:`_plans_units`). On a world of one rank
+        the reference skips FSDP altogether, so its parameters compute in
+        their storage dtype; fsdptx keeps the cast the config asks for and
+        says so, with the setting that gives the reference's behaviour."""
+        if self.dims.sharding_enabled or not planned.units:
+            return None
+        policies = " and ".join(
+            name for name, value in (("mp_policy", self.config.mp_policy), ("offload_policy", self.config.offload_policy))
+            if value is not None
+        )
+        if self.device_mesh.size() == 1:
+            where = (
+                "a world of one rank: the FSDP units shard nothing; they are planned only to apply "
+                f"{policies} (FSDP is what applies them). The reference skips FSDP on one rank and leaves "
+                "every parameter computing in its storage dtype"
+            )
+        else:
+            where = (
+                "one data-parallel rank: the FSDP units shard nothing; they are planned only to apply "
+                f"{policies} (FSDP is what applies them), on a data-parallel mesh of size 1 as the reference does"
+            )
+        return f"{where}; for no FSDP units pass FSDP2Config(mp_policy=None, offload_policy=None)"
+
 
     def _plan_stages(self, model: nn.Module, index: ModelIndex) -> Plan:
         """The pipelined Plan: every stage planned by this manager's
@@ -588,6 +640,12 @@ class FSDP2Manager:
 
     def gradient_sync_context(self, model: nn.Module, is_optimizer_step: bool) -> contextlib.AbstractContextManager[None]:
         """:func:`gradient_sync_context` with ``defer=config.defer_fsdp_grad_sync``."""
+        require_module(model, "model", "FSDP2Manager.gradient_sync_context")
+        if not isinstance(is_optimizer_step, bool):
+            raise TypeError(
+                "FSDP2Manager.gradient_sync_context: is_optimizer_step must be a bool, "
+                f"got {type(is_optimizer_step).__name__} {is_optimizer_step!r}"
+            )
         return gradient_sync_context(model, is_optimizer_step, defer=self.config.defer_fsdp_grad_sync)
 
 
@@ -639,6 +697,12 @@ def gradient_sync_context(model: nn.Module, is_optimizer_step: bool, *, defer: b
     "on"): nested contexts then compose, and a unit whose sync the user had
     turned off stays off. Arguments are checked before any unit changes.
 
+    ``model`` must be the whole model: a block (or the list of blocks) of a
+    larger FSDP model is refused, since deferring it alone would leave the
+    units outside it reducing on every micro-batch. FSDP knows which unit
+    is the root only from the first forward on, so a part given to the
+    first context is refused when that context exits, and on entry after.
+
     Args:
         model: the (partly) FSDP-sharded model.
         is_optimizer_step: whether this micro-batch ends the optimizer step.
@@ -649,6 +713,7 @@ def gradient_sync_context(model: nn.Module, is_optimizer_step: bool, *, defer: b
 
     Raises:
         TypeError: ``is_optimizer_step`` or ``defer`` is not a bool.
+        RuntimeError: ``model`` is part of a larger FSDP model.
 
     Example::
 
@@ -664,7 +729,9 @@ def gradient_sync_context(model: nn.Module, is_optimizer_step: bool, *, defer: b
         )
     if not isinstance(defer, bool):
         raise TypeError(f"gradient_sync_context: defer must be a bool, got {type(defer).__name__} {defer!r}")
-    groups = _fsdp_param_groups(model)
+    states = _fsdp_states(model)
+    _refuse_a_part(model, states)
+    groups = [g for state in states for g in fsdp_param_groups(state)]
     if not defer or not groups:
         yield
         return
@@ -678,20 +745,40 @@ def gradient_sync_context(model: nn.Module, is_optimizer_step: bool, *, defer: b
         for g, reduce_grads, all_reduce_grads in saved:
             g.reduce_grads = reduce_grads
             g.all_reduce_grads = all_reduce_grads
+    # The first forward is where FSDP decides which unit is the root: a
+    # part of a larger model is only known as one after it (see _refuse_a_part).
+    _refuse_a_part(model, states)
 
 
-def _fsdp_param_groups(model: nn.Module) -> list[Any]:
-    """Each FSDP parameter group under ``model`` once (a unit spanning
-    several modules shares one state): where FSDP2 keeps the flags
-    ``set_requires_gradient_sync`` sets, ``reduce_grads`` and
-    ``all_reduce_grads``, so they can be read back and restored."""
+def _refuse_a_part(model: nn.Module, states: list[Any]) -> None:
+    """Refuse a ``model`` that is part of a larger FSDP model (a block, or a
+    container of blocks, whose root unit is outside it): deferring it alone
+    would leave every unit outside it reduce-scattering on each micro-batch.
+    FSDP marks every unit under the root as not the root at the first
+    forward, so a part is known from then on; before it, a part cannot be
+    told from a whole model, and the check after the first context's body
+    catches it (its backward ran, and is correct, only not deferred for the
+    units outside)."""
+    if states and all(fsdp_is_root(s) is False for s in states):
+        raise RuntimeError(
+            f"gradient_sync_context: model ({type(model).__name__}) is part of a larger FSDP model: its "
+            "units' root is outside it, so deferring it alone would leave the rest of the model "
+            "reduce-scattering on every micro-batch; pass the whole model (what parallelize returned)"
+        )
+
+
+def _fsdp_states(model: nn.Module) -> list[Any]:
+    """Each FSDP state under ``model`` once (a unit spanning several modules
+    shares one), in module order. Its parameter groups are where FSDP2
+    keeps the flags ``set_requires_gradient_sync`` sets, ``reduce_grads``
+    and ``all_reduce_grads``, so they can be read back and restored."""
     seen: set[int] = set()
-    groups: list[Any] = []
+    states: list[Any] = []
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            for g in fsdp_param_groups(fsdp_state(m)):
-                if id(g) not in seen:
-                    seen.add(id(g))
-                    groups.append(g)
-    return groups
+            state = fsdp_state(m)
+            if id(state) not in seen:
+                seen.add(id(state))
+                states.append(state)
+    return states
 

@@ -257,6 +257,14 @@ class Titan(nn.Module):
         return torch.stack((angles.cos(), angles.sin()))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = self.config.max_seq_len
+        # Token ids (batch, seq), or a later pipeline stage's (batch, seq, dim) activation.
+        seq = tokens.shape[1] if tokens.ndim > 1 else tokens.shape[-1]
+        if seq > positions:
+            raise ValueError(
+                f"Titan: a sequence of {seq} tokens is longer than its rotary tables "
+                f"({positions} positions); build it with TitanConfig(max_seq_len=...) of at least that length"
+            )
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, self.rope)
@@ -264,16 +272,26 @@ class Titan(nn.Module):
         return out
 
 
-def titan(layers: int = 16) -> Titan:
-    """torchtitan's Llama 3 layout at a small size (dim 256, as in its debug model)."""
-    return Titan(TitanConfig(vocab=2048, dim=256, n_heads=16, n_kv_heads=8, hidden=768, layers=layers))
+def titan(layers: int = 16, max_seq_len: int = TitanConfig.max_seq_len) -> Titan:
+    """torchtitan's Llama 3 layout at a small size (dim 256, as in its debug
+    model), with rotary tables for ``max_seq_len`` positions."""
+    return Titan(
+        TitanConfig(vocab=2048, dim=256, n_heads=16, n_kv_heads=8, hidden=768, layers=layers, max_seq_len=max_seq_len)
+    )
 
 
 PRESETS: dict[str, Callable[[int], nn.Module]] = {"llama": llama, "mixed": mixed, "titan": titan}
 
 
-def build_preset(name: str, layers: int = 16) -> nn.Module:
-    """Build a preset by name; ``KeyError`` names the known presets."""
+def build_preset(name: str, layers: int = 16, *, seq: int | None = None) -> nn.Module:
+    """Build a preset by name; ``KeyError`` names the known presets.
+
+    ``seq``, the sequence length the model will be run on, sizes the
+    position tables of a preset that has them (``titan``'s rotary tables),
+    as torchtitan sets ``max_seq_len`` from the training sequence length;
+    ``None`` keeps the preset's own."""
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    if seq is not None and name == "titan":
+        return titan(layers, max_seq_len=seq)
     return PRESETS[name](layers)

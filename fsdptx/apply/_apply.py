@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 
-from ..core._args import require_module
+from ..core._args import require_callable, require_module
 from ..core._torch_internals import composable_checkpoint
 from ..tp._marks import exclude_from_tp_replica_sync, mark_parameter_reductions
 from ..core._meshes import ep_size, tp_mesh
@@ -33,7 +33,15 @@ from ._inputs import cast_inputs_to_fp32, wholly_fp32_modules
 from ._unused import configure_units_of
 from ..core._tree import get_module_from_path
 from ..tp._transform import tied_tp_groups, tp_styles_by_module
-from ._check import check_against_mesh, check_checkpointing, check_prefetch, checked_units, fail, require_mesh
+from ._check import (
+    check_against_mesh,
+    check_checkpointing,
+    check_kv_cache,
+    check_prefetch,
+    checked_units,
+    fail,
+    require_mesh,
+)
 from ._checkpoint import selective_context, turn_kv_cache_off_warning
 from ._tp import check_sequence_length, refreeze, retie
 from ._fsdp import fsdp_meshes, live_param, shard_kwargs
@@ -167,6 +175,13 @@ def apply_indexed(
             "apply_plan: this Plan has pipeline stages; apply it with fsdptx.apply_pipeline(plan, model, mesh, "
             "loss_fn=...), which builds this rank's stages (FSDP2Manager.parallelize does)"
         )
+    for argument, primitive in (
+        ("shard_module", shard_module),
+        ("parallelize_module", parallelize_module),
+        ("checkpoint_module", checkpoint_module),
+        ("hand_ep_mesh", hand_ep_mesh),
+    ):
+        require_callable(primitive, argument, "apply_plan")
     require_mesh(mesh, shard_module, "apply_plan")
     if moe_mesh is not None and not isinstance(moe_mesh, DeviceMesh):
         raise TypeError(f"apply_plan: moe_mesh must be a torch DeviceMesh or None, got {type(moe_mesh).__name__}")
@@ -202,6 +217,7 @@ def precheck(
     fail(described_style_problems(plan))  # before the TP checks, which read the styles
     problems = check_against_mesh(plan, model, mesh, moe_mesh, index, hand_ep_mesh)
     problems += check_checkpointing(plan.checkpointing, _finder(model, index))
+    problems += check_kv_cache(plan.checkpointing, model, index)
     problems += check_prefetch(plan)
     fail(problems)
 

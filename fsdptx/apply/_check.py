@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from ..core._args import require_module
 from ..core._names import join_names
 from ..core._meshes import moe_dp_dims, parallel_dims
-from ..model._index import ModelIndex
+from ..model._index import ModelIndex, kv_cache_switches
 from ..model._unit_checks import module_problems
 from ..plan.resolve import claim
 from ..plan._plan import Plan
@@ -30,6 +30,7 @@ __all__ = [
     "PlanMismatchError",
     "check_against_mesh",
     "check_checkpointing",
+    "check_kv_cache",
     "check_plan",
     "check_prefetch",
     "check_resolved",
@@ -311,6 +312,22 @@ def check_checkpointing(ac: Checkpointing | None, find: Callable[[str], nn.Modul
     if done:
         problems.append(f"modules {preview(done)} already have activation checkpointing")
     return problems
+
+
+def check_kv_cache(ac: Checkpointing | None, model: nn.Module, index: ModelIndex | None) -> list[str]:
+    """A KV cache that is on now but was off at planning: the model changed
+    since the Plan was made (checkpointing would turn off a switch the Plan
+    does not show), so the Plan no longer says what applying does."""
+    if ac is None:
+        return []
+    now = kv_cache_switches(model.named_modules() if index is None else index.modules.items())
+    new = [switch for switch in now if switch not in ac.kv_cache_off]
+    if not new:
+        return []
+    return [
+        f"{preview(new)} is on, but was off when the plan was made: the model changed since planning "
+        "(checkpointing would turn it off, which the plan does not show); re-plan, or set it back to False"
+    ]
 
 
 def check_prefetch(plan: Plan) -> list[str]:

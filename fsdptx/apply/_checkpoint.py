@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..core._torch_internals import CHECKPOINT_WRAPPED, CachedTorchDispatchMode, composable_registry
-from ..model._index import ModelIndex
+from ..model._index import ModelIndex, kv_cache_configs
 
 __all__ = [
     "is_checkpointed",
@@ -37,17 +37,10 @@ def turn_kv_cache_off(model: nn.Module, modules: Iterable[tuple[str, nn.Module]]
     model's language model reads its text config, not the top-level one).
     ``modules``: the model's ``(FQN, module)`` pairs, when the caller has
     them from an index (default ``model.named_modules()``)."""
-    changed: list[str] = []
-    seen: set[int] = set()
-    for fqn, module in model.named_modules() if modules is None else modules:
-        config = module.__dict__.get("config")
-        if config is None or id(config) in seen:
-            continue
-        seen.add(id(config))
-        if getattr(config, "use_cache", None) is True:
-            config.use_cache = False
-            changed.append(f"model.{fqn}.config.use_cache" if fqn else "model.config.use_cache")
-    return changed
+    found = kv_cache_configs(model.named_modules() if modules is None else modules)
+    for _path, config in found:
+        setattr(config, "use_cache", False)
+    return [path for path, _config in found]
 
 
 def turn_kv_cache_off_warning(model: nn.Module, index: ModelIndex | None) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..core._meshes import ep_mesh, ep_size, moe_gradient_divide_factor
 from ..hf._expert_parallel import hf_dispatches_experts, install_hf_expert_dispatch
-from ..plan.transforms import EP_HOOK
+from ..plan.transforms import EP_HOOK, uneven_experts
 from ..plan._plan import Plan
 from ..plan._types import ExpertParallel, preview
 
@@ -86,12 +86,9 @@ def expert_parallel_problems(
             "moe_mesh= with an 'ep' dim > 1, or plan without fsdptx.expert_parallel"
         ]
     problems: list[str] = []
-    uneven = [f"{m} ({n} experts)" for m, n in zip(ep.modules, ep.num_experts) if n % size]
-    if uneven:
-        problems.append(
-            f"expert modules {preview(uneven)} cannot be split evenly across ep={size}; use an ep size that "
-            "divides the expert count"
-        )
+    uneven = uneven_experts(ep, size)
+    if uneven is not None:
+        problems.append(uneven)
     modules = dict(model.named_modules())
     missing = [m for m in ep.modules if m not in modules]
     if missing:

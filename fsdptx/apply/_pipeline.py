@@ -23,7 +23,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 
-from ..core._args import require_module
+from ..core._args import require_callable, require_module
 from ..core._torch_internals import composable_checkpoint
 from ..model._index import ModelIndex
 from ..model._stages import PipelineParts, build_stage_module
@@ -133,7 +133,11 @@ class PipelineStages(Sequence[nn.Module]):
                 )
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] | None = [] if self.is_last else None
-        self.schedule.step(*args, target=target if self.is_last else None, losses=losses)
+        # return_outputs=False: torch's schedule would otherwise keep every
+        # micro-batch's output (the logits) on the last stage for the whole
+        # step and concatenate them into one more batch-sized copy, which
+        # step() never returns.
+        self.schedule.step(*args, target=target if self.is_last else None, losses=losses, return_outputs=False)
         return losses
 
 
@@ -209,6 +213,14 @@ def apply_pipeline(
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"apply_pipeline: mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
     require_mesh(mesh, shard_module, "apply_pipeline")
+    for argument, primitive in (
+        ("shard_module", shard_module),
+        ("parallelize_module", parallelize_module),
+        ("checkpoint_module", checkpoint_module),
+        ("hand_ep_mesh", hand_ep_mesh),
+        ("make_stage", make_stage),
+    ):
+        require_callable(primitive, argument, "apply_pipeline")
     if not callable(loss_fn):
         raise TypeError(f"apply_pipeline: loss_fn must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
     if moe_mesh is not None and not isinstance(moe_mesh, DeviceMesh):

@@ -26,14 +26,14 @@ _DP_DIMS = tuple(n for n in KNOWN_DIMS if n not in ("tp", "pp"))
 
 
 MAX_WORLD = 65536
+"""Largest fake world the dry run builds (``--mesh``, ``--fit``). Beyond it
+the mesh alone takes gigabytes and minutes; no real job is that large either."""
 
 
-# The largest --layers (or --hf-config num_hidden_layers) the dry run builds:
-# the largest shipped models have a few hundred blocks; a million would
-# build and plan for hours with no output.
 MAX_LAYERS = 4096
-"""Largest fake world the dry run builds. Beyond it the mesh alone takes
-gigabytes and minutes; no real job is that large either."""
+"""The largest ``--layers`` (or ``--hf-config num_hidden_layers``) the dry
+run builds: the largest shipped models have a few hundred blocks; a million
+would build and plan for hours with no output."""
 
 
 APPLY_BUDGET = 400_000

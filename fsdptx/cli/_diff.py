@@ -34,11 +34,17 @@ def add_diff_parser(sub: Any) -> None:
 def load_plan_file(path: str) -> Plan:
     """The plan in ``path``: a plan document, or a report holding one under ``"plan"``."""
     try:
-        data: Any = json.loads(Path(path).read_text())
+        text = Path(path).read_bytes().decode("utf-8")
     except OSError as e:
         raise PlanFileError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise PlanFileError(f"{path} is not a plan file: not UTF-8 text (byte {e.start}); give a JSON plan") from None
+    try:
+        data: Any = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanFileError(f"{path} is not JSON: {e}") from None
+    except RecursionError:
+        raise PlanFileError(f"{path} is not a plan file: its JSON is nested too deeply") from None
     if isinstance(data, dict) and "schema" not in data and isinstance(data.get("plan"), dict):
         data = data["plan"]  # a `plan --json` report embeds the plan document under "plan"
     try:

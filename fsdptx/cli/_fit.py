@@ -7,20 +7,29 @@ each with its predicted per-rank peak and its communication per step. With
 ``--ep N`` each mesh also splits the experts across ``N`` of its shard x TP
 ranks (:attr:`Candidate.moe_mesh`).
 
-Fast because almost nothing depends on everything:
+Each candidate's peak is the one ``plan`` traces with the candidate's own
+options (tests compare them), at a fraction of the traces:
 
-- Activations, gathered parameters, unsharded gradients and communication
-  buffers depend on ``tp`` and checkpointing, not on the FSDP shard count.
-  One step is traced per (``tp``, checkpointing) on ``dp_shard=2``; each
-  mesh's peak is the traced timeline recomputed with that mesh's exact
-  sharded parameter, gradient and optimizer sizes
-  (:func:`fsdptx.cli._memory.rescale`). Offload moves exactly those sharded
-  parts to the host, so its device peak is the same timeline without them.
+- Nothing in a step depends on how many replicas HSDP has, only on whether
+  it replicates: replicated meshes are traced with ``dp_replicate=2``.
+- A step depends on the FSDP shard count only through parts that are one
+  shard of something (:mod:`fsdptx.cli._scaling`): shard counts up to
+  ``REFERENCE_SHARDS[-1]`` are traced themselves, every larger one is
+  derived from the traces at :data:`REFERENCE_SHARDS`, exactly where no
+  parameter pads. So a (``tp``, checkpointing, replicated or not) setting
+  takes at most three traces, whatever the world size. The sharded
+  parameters, gradients and optimizer state are then sized exactly for
+  the mesh; offload moves exactly those to the host, so its device peak is
+  the same step without them.
 - A model with more than :data:`TRACE_LAYERS` blocks (a preset or ``--hf``
   model: their block count can be set) is traced with ``TRACE_LAYERS - 1``
   and ``TRACE_LAYERS`` blocks and the peak, activations and TP traffic
   extrapolated linearly: each further block adds one more block's
   activations, parameters and collectives. Fewer blocks: traced whole, exact.
+
+A setting the planner or the model refuses (a TP size that does not divide
+the sequence, a TP plan that does not divide) is skipped and listed with
+why; the others are still evaluated.
 
 Communication per step and rank is what each rank sends or receives on the
 wire (ring algorithms): an all-gather or reduce-scatter of ``B`` bytes over
@@ -36,14 +45,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from ..plan._plan import Plan
-from ._memory import Trace, disable_kv_cache, rescale, steady_bytes, traced_steady
+from ._memory import disable_kv_cache
+from ._scaling import at_shard_count, rescale, steady_bytes, traced_steady
+from ._trace import Trace
 from ._report import ParamShard, step_traffic
 
 __all__ = ["Candidate", "FitResult", "parse_fit", "search"]
@@ -67,12 +78,23 @@ def parse_fit(text: str) -> tuple[int, int]:
     """``"64x80GiB"`` -> ``(64, 85899345920)``: GPUs and bytes of memory each.
 
     Raises:
-        ValueError: naming the text and the expected form.
+        ValueError: naming the text and what is wrong: not of the form, no
+            GPU, more GPUs than the dry run simulates (``MAX_WORLD``), or
+            less than one byte of memory.
     """
+    from ._common import MAX_WORLD
+
     m = _FIT.match(text)
-    if m is None or int(m.group(1)) < 1:
+    if m is None:
         raise ValueError(f"malformed --fit {text!r}: expected GPUSxMEMORY such as 64x80GiB or 8x40GB")
-    return int(m.group(1)), int(float(m.group(2)) * _SIZES[m.group(3).upper()])
+    gpus, memory = int(m.group(1)), int(float(m.group(2)) * _SIZES[m.group(3).upper()])
+    if gpus < 1:
+        raise ValueError(f"--fit {text!r}: the number of GPUs must be at least 1")
+    if gpus > MAX_WORLD:
+        raise ValueError(f"--fit {text!r} has {gpus:,} GPUs; the dry run simulates at most {MAX_WORLD:,} ranks")
+    if memory < 1:
+        raise ValueError(f"--fit {text!r}: the memory per GPU must be at least 1 byte, e.g. 80GiB")
+    return gpus, memory
 
 
 @dataclass(frozen=True)
@@ -195,12 +217,40 @@ def meshes(gpus: int) -> list[dict[str, int]]:
     return out
 
 
+REFERENCE_SHARDS = (2, 4)
+"""FSDP shard counts traced to stand for every larger one: each sample of a
+step is a fixed part plus a part that goes as one over the shard count
+(:func:`fsdptx.cli._scaling.at_shard_count`), and these two traces give
+both. Smaller shard counts are traced themselves (one shard takes FSDP2's
+copy path instead of collectives, so it is a step of its own)."""
+
+
+def shard_points(needed: Iterable[int]) -> tuple[int, ...]:
+    """The shard counts to trace for candidates at ``needed`` shard counts:
+    each one up to ``REFERENCE_SHARDS[-1]`` itself, and the reference pair
+    for any larger one."""
+    needed = set(needed)
+    points = {s for s in needed if s <= REFERENCE_SHARDS[-1]}
+    if any(s > REFERENCE_SHARDS[-1] for s in needed):
+        points.update(REFERENCE_SHARDS)
+    return tuple(sorted(points))
+
+
 @dataclass(frozen=True)
 class _Measured:
-    """Traces of one (tp, checkpointing) setting at one or two block counts,
-    each with the plan and shard function of the traced model."""
+    """The traces of one (tp, checkpointing, replicated or not) setting:
+    per traced block count, the traces by FSDP shard count and the shard
+    function of the traced model."""
 
-    traces: tuple[tuple[int, Trace, Callable[[int], dict[str, ParamShard]]], ...]
+    traces: tuple[tuple[int, Mapping[int, Trace], Callable[[int], dict[str, ParamShard]]], ...]
+
+
+def trace_at(points: Mapping[int, Trace], shards: int) -> Trace:
+    """The step at ``shards`` FSDP ranks: traced, or from the reference pair."""
+    if shards in points:
+        return points[shards]
+    a, b = REFERENCE_SHARDS
+    return at_shard_count(points[a], a, points[b], b, shards)
 
 
 def _ring(nbytes: float, n: int, factor: int = 1) -> int:
@@ -225,19 +275,24 @@ def evaluate(
     optimizer: str,
     ep: int = 1,
 ) -> Candidate:
-    """Predict one candidate from the traces of its (tp, checkpointing);
-    ``full_shards`` (and the traces' shard functions) already split the
-    experts across ``ep``."""
+    """Predict one candidate from the traces of its (tp, checkpointing,
+    replication): the step at its shard count, with the sharded parts
+    sized as ``plan`` sizes them for this mesh; ``full_shards`` (and the
+    traces' shard functions) already split the experts across ``ep``.
+
+    Raises:
+        ValueError: the reference traces are not the same step, so the
+            shard count cannot be derived from them."""
     shard = mesh["dp_shard"]
     rep = mesh.get("dp_replicate", 1)
     tp = mesh.get("tp", 1)
     peaks: list[tuple[int, float]] = []
     acts: list[tuple[int, float]] = []
     tp_comm: list[tuple[int, float]] = []
-    for n_layers, trace, shards_at in measured.traces:
-        traced = traced_steady(trace)
+    for n_layers, points, shards_at in measured.traces:
+        trace = trace_at(points, shard)
         target = (0, 0, 0) if offload else steady_bytes(shards_at(shard), optimizer)
-        peak, _, _ = rescale(trace, traced=traced, target=target)
+        peak, _, _ = rescale(trace, traced=traced_steady(trace), target=target)
         peaks.append((n_layers, peak))
         acts.append((n_layers, trace.activations))
         tp_comm.append((n_layers, sum(c.bytes for c in trace.collectives if c.source == "tp")))
@@ -347,40 +402,111 @@ def search(
     for tp in sorted({m.get("tp", 1) for m in meshes(gpus)}):
         tp_meshes = [m for m in meshes(gpus) if m.get("tp", 1) == tp]
         uneven = [m for m in tp_meshes if (m["dp_shard"] * tp) % ep]
-        skipped += [f"--mesh {','.join(f'{k}={v}' for k, v in m.items())}: ep={ep} does not divide its dp_shard x tp ranks" for m in uneven]
+        skipped += [f"--mesh {_mesh_text(m)}: ep={ep} does not divide its dp_shard x tp ranks" for m in uneven]
         tp_meshes = [m for m in tp_meshes if m not in uneven]
         if not tp_meshes:
             continue
-        names = ("dp_shard", "tp") if tp > 1 else ("dp_shard",)
-        shape = (2, tp) if tp > 1 else (2,)
-        # the experts as units of their own (whole, on a MoE mesh without ep), to split by ep from shapes
-        moe = ((2 * tp,), ("ep_shard",)) if ep > 1 else None
+        if seq % tp:
+            skipped.append(
+                f"tp={tp}: --seq {seq} is not divisible by {tp}; sequence parallelism splits every sequence "
+                "over the TP ranks"
+            )
+            continue
         full_model = build(None)
         try:
-            full = dry_run(full_model, shape, names, config(sequence_parallel=tp > 1), moe=moe)
+            full = dry_run(
+                full_model, *_trace_mesh(tp, 2, False), config(sequence_parallel=tp > 1), moe=_trace_moe(tp, 2, False, ep)
+            )
         except ValueError as e:  # the TP plan does not divide: not a candidate
-            skipped.append(f"tp={tp}: {' '.join(str(e).split())[:200]}")
+            skipped.append(f"tp={tp}: {_short(e)}")
             continue
         full_at = shards_for(full_model, full.plan, full.dims, ep)
         for ac in AC_MODES:
-            traced = []
-            for n in counts:
-                model = build(n)
-                if ac:
-                    disable_kv_cache(model)  # as the dry run and a training run with checkpointing do
+            for replicated in (False, True):
+                group = [m for m in tp_meshes if (m.get("dp_replicate", 1) > 1) == replicated]
+                if not group:
+                    continue
                 setting = config(sequence_parallel=tp > 1, activation_checkpointing=ac)
-                run = dry_run(model, shape, names, setting, batch_seq=(batch, seq), moe=moe)
-                if run.trace is None:  # dry_run traces whenever batch_seq is given
-                    raise RuntimeError(f"no trace for tp={tp}, activation_checkpointing={ac!r}")
-                traced.append((n or 0, run.trace, shards_for(model, run.plan, run.dims, ep)))
-            measured = _Measured(tuple(traced))
-            for mesh in tp_meshes:
-                for offload in (False, True):
+                points = shard_points(m["dp_shard"] for m in group)
+                try:
+                    measured = _measure(build, counts, tp, points, replicated, setting, ac, (batch, seq), ep)
+                except ValueError as e:  # the planner or the model refuses this setting: the others still count
+                    label = f"tp={tp}, ac={ac or 'off'}" + (", dp_replicate > 1" if replicated else "")
+                    skipped.append(f"{label}: {_short(e)}")
+                    continue
+                for mesh in group:
                     shards = full_at(mesh["dp_shard"])
-                    candidates.append(
-                        evaluate(mesh, ac, offload, measured, shards, full.plan, layers or 0, optimizer, ep)
-                    )
+                    try:
+                        candidates += [
+                            evaluate(mesh, ac, offload, measured, shards, full.plan, layers or 0, optimizer, ep)
+                            for offload in (False, True)
+                        ]
+                    except ValueError as e:
+                        skipped.append(f"--mesh {_mesh_text(mesh)} ac={ac or 'off'}: {_short(e)}")
     return FitResult(gpus, budget, tuple(candidates), rank(candidates, budget), tuple(skipped))
+
+
+def _mesh_text(mesh: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.items())
+
+
+def _short(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200]
+
+
+def _trace_mesh(tp: int, shards: int, replicated: bool) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The fake mesh a reference step is traced on: ``shards`` FSDP ranks,
+    ``tp`` ranks, and a replicate dim of 2 for HSDP meshes (what HSDP adds,
+    its all-reduce and the buffers it holds, does not depend on how many
+    replicas there are)."""
+    dims = [("dp_replicate", 2)] if replicated else []
+    dims += [("dp_shard", shards)] + ([("tp", tp)] if tp > 1 else [])
+    return tuple(size for _, size in dims), tuple(name for name, _ in dims)
+
+
+def _trace_moe(
+    tp: int, shards: int, replicated: bool, ep: int
+) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """Under ``--ep``, the experts as units of their own on a MoE mesh of
+    the same ranks without ``ep`` (whole experts, split by ``ep`` from shapes)."""
+    if ep == 1:
+        return None
+    if replicated:
+        return (2, shards * tp), ("dp_replicate", "ep_shard")
+    return (shards * tp,), ("ep_shard",)
+
+
+def _measure(
+    build: Callable[[int | None], nn.Module],
+    counts: Sequence[int | None],
+    tp: int,
+    points: Sequence[int],
+    replicated: bool,
+    setting: Any,
+    ac: str | bool,
+    batch_seq: tuple[int, int],
+    ep: int,
+) -> _Measured:
+    """Trace the step of one setting at every block count and shard count."""
+    from ._run import dry_run
+
+    traced = []
+    for n in counts:
+        by_shards: dict[int, Trace] = {}
+        shards_at = None
+        for shards in points:
+            model = build(n)
+            if ac:
+                disable_kv_cache(model)  # as the dry run and a training run with checkpointing do
+            shape, names = _trace_mesh(tp, shards, replicated)
+            run = dry_run(model, shape, names, setting, batch_seq=batch_seq, moe=_trace_moe(tp, shards, replicated, ep))
+            if run.trace is None:  # dry_run traces whenever batch_seq is given
+                raise RuntimeError(f"no trace for tp={tp}, activation_checkpointing={ac!r}")
+            by_shards[shards] = run.trace
+            shards_at = shards_for(model, run.plan, run.dims, ep)  # the same plan at every shard count
+        assert shards_at is not None  # points is never empty: every group has a mesh
+        traced.append((n or 0, by_shards, shards_at))
+    return _Measured(tuple(traced))
 
 
 

@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ._memory import CATEGORIES, Collective, Sample, where_label
+from ._trace import CATEGORIES, Collective, Sample, where_label
 
 __all__ = ["render_html", "write_html"]
 

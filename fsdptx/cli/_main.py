@@ -7,7 +7,8 @@ that plan with ``parallelize`` on a fake-process-group mesh (proving it
 applies: TP styles, checkpointing, every FSDP unit and prefetch chain), and
 prints one table of units, the TP / checkpointing / prefetch requests, the
 FSDP collectives of one step and a per-rank memory plan (see
-:class:`fsdptx.cli._report.MemoryPlan` for what it counts).
+:class:`fsdptx.cli._report.MemoryPlan` for what it counts; with
+``--batch``/``--seq`` also a traced step, :mod:`fsdptx.cli._memory`).
 
 Every mistake on the command line, in a factory or in a model's
 declarations is reported as one line on stderr with exit code 2.
@@ -33,13 +34,14 @@ from ..core._sizes import format_bytes
 from ..plan._json import plan_document
 from ..plan._compose import compose
 from ..plan.transforms import mark_reduction, shard_across_blocks, shard_by_dtype
-from ..plan._format import format_requests
+from ..plan._format import format_requests, fp32_input_casts
 from ..plan._plan import Plan
 from ..plan._types import reshards_after_forward
 from ..presets import PRESETS
 from ._common import UsageError, _DTYPES, _dtype, _one_line, _rows, mp_policy
 from ._diff import PlanFileError, add_diff_parser, run_diff
 from ._memory import disable_kv_cache, memory_json, memory_text
+from ._pipeline import add_pipeline_arguments, pipeline_config, run_pipeline_plan
 from ._report import OPTIMIZER_STATES, PAD_FLAG_RATIO, MemoryPlan, UnitTraffic, memory_plan, step_traffic
 from ._run import DryRun, _batch_seq, build_model, dry_run, parse_mesh, parse_moe_mesh
 
@@ -125,10 +127,10 @@ def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, o
             ),
             "peak_forward_bytes": mem.peak_forward,
             "peak_forward_gathered_bytes": mem.forward_gathered,
-            "peak_forward_at": mem.forward_at,
+            "peak_forward_at": mem.forward_at or None,  # None: no unit is gathered
             "peak_backward_bytes": mem.peak_backward,
             "peak_backward_gathered_bytes": mem.backward_gathered,
-            "peak_backward_at": mem.backward_at,
+            "peak_backward_at": mem.backward_at or None,
         },
         "tp_replica_reductions": dict(p.reductions) if dims.tp > 1 else {},
         "tp_replica_sync_excluded": list(p.exclusions) if dims.tp > 1 else [],
@@ -175,7 +177,11 @@ def _mesh_line(data: dict[str, Any]) -> str:
     elif d["dp_shard"] > 1:
         parts.append(f"FSDP shards over {d['dp_shard']} ranks")
     else:
-        parts.append("no FSDP sharding (one data-parallel rank)")
+        parts.append(
+            "one data-parallel rank: the FSDP units shard nothing, they apply the policy"
+            if data["units"]
+            else "no FSDP sharding (one data-parallel rank)"
+        )
     if d["cp"] > 1:
         parts.append(f"cp={d['cp']} folded into the shard dim")
     if d["tp"] > 1:
@@ -269,6 +275,9 @@ def render(data: dict[str, Any], p: Plan) -> str:
             lines.append(f"(!) shards padded by more than {PAD_FLAG_RATIO:.0%}: dim 0 is small or not divisible by the shard count")
     else:
         lines.append("no FSDP units")
+    casts = fp32_input_casts(p)
+    if casts:
+        lines.append(f"fp32 input casts: {join_names(casts)} (wholly fp32 modules in a lower-precision model)")
     lines += format_requests(p)
     if data["tp_replica_reductions"]:
         counts: dict[str, int] = {}
@@ -328,9 +337,11 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
             )
         )
     width = max(len(k) for k, _ in rows)
-    out = ["memory per rank (rank 0; activations not counted, see fsdptx.cli._report.MemoryPlan):"]
+    traced = "peak_bytes" in m
+    counted = "from shapes; the traced step below adds activations" if traced else "activations not counted: add --batch/--seq for them"
+    out = [f"memory per rank (rank 0; {counted}):"]
     out += [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    return out + memory_text(m) if "peak_bytes" in m else out
+    return out + memory_text(m) if traced else out
 
 
 def _parser() -> _Parser:
@@ -404,6 +415,7 @@ def _parser() -> _Parser:
     )
     p.add_argument("--html", metavar="FILE", help="write a self-contained picture of the traced step to FILE")
     p.add_argument("--json", action="store_true", help="print the same report as JSON (the plan under \"plan\")")
+    add_pipeline_arguments(p)
     add_diff_parser(sub)
     return parser
 
@@ -414,6 +426,12 @@ def run_plan(args: argparse.Namespace) -> str:
     if args.fit is not None:
         from ._fit import run_fit
 
+        if args.html is not None:
+            raise UsageError(
+                "--html draws one traced step and --fit evaluates many configurations; pick one from the "
+                "--fit list and run plan with its options and --html FILE"
+            )
+        pipeline_config(args, None)  # refuses the pipeline options
         if args.ep < 1:
             raise UsageError(f"--ep must be >= 1, got {args.ep}")
         if args.moe_mesh is not None:
@@ -426,6 +444,7 @@ def run_plan(args: argparse.Namespace) -> str:
     if args.ep != 1:
         raise UsageError("--ep applies to --fit; for one mesh give --moe-mesh with an ep axis")
     shape, names = parse_mesh(args.mesh)
+    pipeline = pipeline_config(args, names)
     moe = None if args.moe_mesh is None else parse_moe_mesh(args.moe_mesh, math.prod(shape))
     model, name = build_model(args)
     config = FSDP2Config(
@@ -435,12 +454,15 @@ def run_plan(args: argparse.Namespace) -> str:
         mp_policy=mp_policy(args.mp),
         activation_checkpointing=args.ac or False,
         offload_policy=CPUOffloadPolicy() if args.offload else None,
+        pipeline_parallel=pipeline,
     )
     batch_seq = _batch_seq(args)
     if batch_seq is not None and config.checkpoint_mode is not None:
         disable_kv_cache(model)  # as a training run with checkpointing must
-    if batch_seq is not None and args.offload:  # traced without it: see fsdptx.cli._memory.estimate_from_trace
+    if batch_seq is not None and args.offload:  # traced without it, then left out of the peak (estimate_from_trace)
         config = dataclasses.replace(config, offload_policy=None)
+    if pipeline is not None:
+        return run_pipeline_plan(args, model, name, shape, names, config, batch_seq, report)
     try:
         run = dry_run(model, shape, names, config, batch_seq=batch_seq, moe=moe)
     except ValueError as e:  # the planner's own message names what to change

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -17,7 +19,8 @@ from ..core._meshes import KNOWN_DIMS, MOE_KNOWN_DIMS, ParallelDims, ep_size, mo
 from ..plan._plan import Plan
 from ._report import ParamShard
 from ..presets import PRESETS, build_preset
-from ._memory import Trace, traced
+from ._memory import traced
+from ._trace import Trace
 from ._common import APPLY_BUDGET, MAX_LAYERS, MAX_WORLD, UsageError, _DP_DIMS, _DTYPES, _one_line, param_shards
 
 
@@ -167,7 +170,9 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
             raise UsageError(f"unknown preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}")
         if not 1 <= layers <= MAX_LAYERS:
             raise UsageError(f"--layers must be between 1 and {MAX_LAYERS:,}, got {layers:,}")
-        return build_preset(preset, layers), f"{preset} (preset, {layers} layers)"
+        batch_seq = _batch_seq(args)  # a traced step sizes the preset's position tables, if it has any
+        model = build_preset(preset, layers, seq=None if batch_seq is None else batch_seq[1])
+        return model, f"{preset} (preset, {layers} layers)"
 
 
 @dataclass(frozen=True)
@@ -196,6 +201,20 @@ class DryRun:
     params: int
     trace: Trace | None = None
     moe: MoeDims | None = None
+
+
+@contextlib.contextmanager
+def _plan_warnings_not_logged() -> Iterator[None]:
+    """``parallelize`` logs the Plan's warnings; the report prints them
+    itself (first lines, ``"warnings"`` in JSON), so the dry run keeps them
+    off stderr, where a refusal must be the one line."""
+    manager_logger = logging.getLogger("fsdptx.manager")
+    was = manager_logger.disabled
+    manager_logger.disabled = True
+    try:
+        yield
+    finally:
+        manager_logger.disabled = was
 
 
 def _not_dispatched(module: nn.Module, mesh: object) -> None:
@@ -245,7 +264,8 @@ def dry_run(
             if ep > 1:
                 apply_plan(p, model, mesh, moe_mesh=moe_mesh, hand_ep_mesh=_not_dispatched)
             else:
-                manager.parallelize(model)
+                with _plan_warnings_not_logged():
+                    manager.parallelize(model)
             applied = "full" if (p.units or p.tensor_parallel) else "none"
         elif tp_cost <= APPLY_BUDGET:
             # TP alone (and checkpointing, marks): the FSDP split is computed from shapes.

@@ -4,11 +4,10 @@ the composable pipeline: each function plans, then calls ``apply_plan``."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -17,7 +16,13 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from ..core._args import require_module
+from ..core._args import (
+    require_callable,
+    require_module,
+    require_mp_policy,
+    require_offload_policy,
+    require_parameters,
+)
 from ..core._caches import BoundedMemo, caches_enabled, process_wide
 from ..core._names import Names, name_tokens
 from ..apply._apply import ShardModule, apply_resolved
@@ -27,6 +32,7 @@ from ..model._index import ModelIndex
 from ..model._unit_checks import container_classes
 from ..model._walk import ModelWalk, walk_model
 from ..plan.resolve import resolve_units
+from ..plan._compose import check_reshard
 from ..plan._plan import Plan
 from ..plan._types import CrossBlockRequest, DtypeRequest, Unit
 
@@ -101,9 +107,14 @@ def fully_shard_by_dtype(
             fsdptx.fully_shard_by_dtype(block, mesh, policy, None, fp32_compute_module_names=["sinks"])
         fsdptx.fully_shard_by_dtype(model, mesh, policy, None)
     """
-    require_module(module, "module", "fully_shard_by_dtype")
-    _require_mesh(mesh, shard_module, "fully_shard_by_dtype")
-    tokens = name_tokens(fp32_compute_module_names, "fp32_compute_module_names", "fully_shard_by_dtype")
+    where = "fully_shard_by_dtype"
+    require_module(module, "module", where)
+    require_callable(shard_module, "shard_module", where)
+    _require_mesh(mesh, shard_module, where)
+    require_mp_policy(mp_policy, "mp_policy", where)
+    require_offload_policy(offload_policy, "offload_policy", where)
+    tokens = name_tokens(fp32_compute_module_names, "fp32_compute_module_names", where)
+    check_reshard(reshard_after_forward, where)
     request = _Call(mp_policy, offload_policy, tokens, reshard_after_forward)
     units, resolved = _plan_call(module, request, ignored_params, _CALLS if caches_enabled() else None)
     _apply_now(Plan(units=units), module, resolved, mesh, shard_module)
@@ -251,25 +262,10 @@ def _plan_call(
     return call.own(found.units), [[walk.modules[i] for i in at] for at in found.positions]
 
 
-def _parameters(items: Iterable[object]) -> list[nn.Parameter]:
+def _parameters(items: object, argument: str = "items", where: str = "ParameterSet") -> list[nn.Parameter]:
     """``items`` as a list of Parameters, refusing what would otherwise be
     silently dropped: names instead of Parameters, or one bare tensor."""
-    if isinstance(items, (torch.Tensor, str)):
-        raise TypeError(
-            f"ignored_params must be a collection of nn.Parameter objects, got one {type(items).__name__}; "
-            "wrap it in a set"
-        )
-    listed = list(items)
-    params = [p for p in listed if isinstance(p, nn.Parameter)]
-    bad = [p for p in listed if not isinstance(p, nn.Parameter)]
-    if bad:
-        shown = ", ".join(repr(p) if isinstance(p, str) else type(p).__name__ for p in bad[:5])
-        raise TypeError(
-            f"ignored_params must hold nn.Parameter objects, got {shown}"
-            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            + "; pass module.get_parameter(name) for a name"
-        )
-    return params
+    return require_parameters(items, argument, where)
 
 
 class ParameterSet(set[nn.Parameter]):
@@ -324,12 +320,12 @@ def _ignored_slots(walk: ModelWalk, ignored_params: Collection[nn.Parameter] | N
         return [False] * len(walk.params)
     if isinstance(ignored_params, ParameterSet):
         return [p in ignored_params for p in walk.params]
-    ids = set(map(id, _parameters(ignored_params)))
+    ids = set(map(id, _parameters(ignored_params, "ignored_params", "fully_shard_by_dtype")))
     return [id(p) in ids for p in walk.params]
 
 
 def fully_shard_across_blocks(
-    blocks: Sequence[nn.Module],
+    blocks: Iterable[nn.Module],
     module_names: Names,
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None,
@@ -354,7 +350,8 @@ def fully_shard_across_blocks(
     :class:`ParameterSet`: a ``set`` with which those calls stay linear.
 
     Args:
-        blocks: the blocks, in order.
+        blocks: the blocks, in order: any iterable of modules
+            (``model.layers``, a list, an ``nn.ModuleDict``'s values).
         module_names: block-relative names of the holders (a bare string is
             one name).
         mesh: the data-parallel mesh.
@@ -366,7 +363,8 @@ def fully_shard_across_blocks(
         The holders' parameters as a :class:`ParameterSet`.
 
     Raises:
-        TypeError: ``blocks`` is not a list of modules.
+        TypeError: ``blocks`` is not an iterable of modules (one module
+            that is not a container, a string).
         ValueError: a name is in no block, or a matched module holds a
             parameter that is not fp32.
 
@@ -376,14 +374,12 @@ def fully_shard_across_blocks(
         for block in model.layers:
             fsdptx.fully_shard_by_dtype(block, mesh, policy, None, ignored_params=owned)
     """
-    if isinstance(blocks, nn.Module) or not isinstance(blocks, Sequence):
-        raise TypeError(
-            f"fully_shard_across_blocks: blocks must be a list of the blocks (nn.Module), got {type(blocks).__name__}"
-        )
-    wrong = [f"blocks[{i}] is {type(b).__name__}" for i, b in enumerate(blocks) if not isinstance(b, nn.Module)]
-    if wrong:
-        raise TypeError(f"fully_shard_across_blocks: every block must be an nn.Module; {', '.join(wrong)}")
-    _require_mesh(mesh, shard_module, "fully_shard_across_blocks")
+    where = "fully_shard_across_blocks"
+    blocks = _block_list(blocks)
+    require_callable(shard_module, "shard_module", where)
+    _require_mesh(mesh, shard_module, where)
+    require_mp_policy(mp_policy, "mp_policy", where)
+    require_offload_policy(offload_policy, "offload_policy", where)
     names = name_tokens(module_names, "module_names", "fully_shard_across_blocks")
     holder = nn.ModuleList(blocks)  # a view for FQNs "0.attn.sinks"; blocks are not changed
     index = ModelIndex.build(holder)
@@ -397,6 +393,35 @@ def fully_shard_across_blocks(
     )
     _apply_now(Plan(units=units), holder, [[index.modules[f] for f in u.modules] for u in units], mesh, shard_module)
     return ParameterSet(holder.get_parameter(f) for u in units for f in u.params)
+
+
+def _block_list(blocks: object) -> list[nn.Module]:
+    """The blocks ``fully_shard_across_blocks`` was given, as a list: any
+    iterable of modules, the way callers hold them (``model.layers``, an
+    ``nn.ModuleList``; the values of an ``nn.ModuleDict``; a list; a
+    generator). A single module that is not a container is refused, as is a
+    string: iterating either would not give the blocks."""
+    where = "fully_shard_across_blocks"
+    if isinstance(blocks, nn.ModuleDict):
+        listed: list[object] = list(blocks.values())
+    elif isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        listed = list(blocks)
+    elif isinstance(blocks, nn.Module):
+        raise TypeError(
+            f"{where}: blocks must be an iterable of the blocks (e.g. model.layers), got one "
+            f"{type(blocks).__name__} module; pass [block] for a single block"
+        )
+    elif isinstance(blocks, (str, bytes)) or not isinstance(blocks, Iterable):
+        raise TypeError(
+            f"{where}: blocks must be an iterable of the blocks (nn.Module, e.g. model.layers), "
+            f"got {type(blocks).__name__}"
+        )
+    else:
+        listed = list(blocks)
+    wrong = [f"blocks[{i}] is {type(b).__name__}" for i, b in enumerate(listed) if not isinstance(b, nn.Module)]
+    if wrong:
+        raise TypeError(f"{where}: every block must be an nn.Module; {', '.join(wrong)}")
+    return [b for b in listed if isinstance(b, nn.Module)]
 
 
 def _supports(model: nn.Module, flag: str) -> bool:
@@ -481,6 +506,7 @@ def reject_unsupported_mtp_cp_pp(model: nn.Module, pp_size: int | None = None) -
         if cp_size > 1:
             fsdptx.reject_unsupported_mtp_cp_pp(model, pp_size=pp_size)
     """
+    require_module(model, "model", "reject_unsupported_mtp_cp_pp")
     if pp_size is not None and (isinstance(pp_size, bool) or not isinstance(pp_size, int)):
         raise TypeError(f"reject_unsupported_mtp_cp_pp: pp_size must be an int or None, got {pp_size!r}")
     reject_unsupported_mtp_cp(model)

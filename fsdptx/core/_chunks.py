@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -58,6 +58,10 @@ def gradient_chunks(
         for chunk in fsdptx.gradient_chunks(grads, max_bytes=64 * 2**20):
             flat = torch.cat([g.reshape(-1).float() for g in chunk])
     """
+    if isinstance(tensors, (str, bytes, torch.Tensor)) or not isinstance(tensors, Iterable):
+        raise TypeError(
+            f"gradient_chunks: tensors must be a sequence of tensors (a list), got {type(tensors).__name__}"
+        )
     return _chunks(tensors, require_positive_int(max_bytes, "max_bytes", "gradient_chunks"))
 
 
@@ -66,6 +70,8 @@ def _chunks(tensors: Sequence[torch.Tensor], max_bytes: int) -> Iterator[list[to
     chunk: list[torch.Tensor] = []
     room = max_bytes
     for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"gradient_chunks: tensors[{index}] must be a torch.Tensor, got {type(tensor).__name__}")
         itemsize = gradient_reduce_dtype(tensor.dtype).itemsize
         if itemsize > max_bytes:
             raise ValueError(

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ._args import require_dtype, require_module
+from ._args import require_callable, require_dtype, require_module, require_mp_policy, require_parameters
 from ._caches import process_memo
 from ._names import Names, name_tokens
 
@@ -186,9 +186,11 @@ def make_compute_dtype_fn(
         compute = fsdptx.make_compute_dtype_fn(block, policy, "sinks")
         groups = fsdptx.group_params_by_dtype(block, lambda t: (t.dtype, compute(t)))
     """
-    require_module(module, "module", "make_compute_dtype_fn")
-    tokens = name_tokens(fp32_compute_module_names, "fp32_compute_module_names", "make_compute_dtype_fn")
-    ignored = {id(p) for p in ignored_params or ()}
+    where = "make_compute_dtype_fn"
+    require_module(module, "module", where)
+    require_mp_policy(mp_policy, "mp_policy", where)
+    tokens = name_tokens(fp32_compute_module_names, "fp32_compute_module_names", where)
+    ignored = set() if ignored_params is None else set(map(id, require_parameters(ignored_params, "ignored_params", where)))
     names: dict[int, list[str]] = {}
     for fqn, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in ignored:
@@ -226,9 +228,12 @@ def group_params_by_dtype(
         groups = fsdptx.group_params_by_dtype(block)
         assert set(groups) <= {torch.float32, torch.bfloat16}
     """
-    require_module(module, "module", "group_params_by_dtype")
-    key_fn: Callable[[torch.Tensor], Hashable] = dtype_of or (lambda t: t.dtype)
-    ignored = {id(p) for p in ignored_params or ()}
+    where = "group_params_by_dtype"
+    require_module(module, "module", where)
+    key_fn: Callable[[torch.Tensor], Hashable] = require_callable(dtype_of, "dtype_of", where, optional=True) or (
+        lambda t: t.dtype
+    )
+    ignored = set() if ignored_params is None else set(map(id, require_parameters(ignored_params, "ignored_params", where)))
     groups: dict[Hashable, list[nn.Parameter]] = {}
     for p in module.parameters():
         if id(p) not in ignored:

@@ -68,9 +68,9 @@ class ParallelDims:
 
     @property
     def sharding_enabled(self) -> bool:
-        """FSDP units are worth planning only when more than one rank holds
-        the same layer: on a single data-parallel rank there is nothing to
-        shard (the reference's ``fsdp2_sharding_enabled``)."""
+        """Whether more than one rank holds the same layer: on a single
+        data-parallel rank FSDP has nothing to shard (it may still be
+        planned to apply a policy: see ``FSDP2Manager._plans_units``)."""
         return self.fsdp_size > 1
 
 

@@ -10,9 +10,16 @@ import dataclasses
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ._args import require_dtype
+from ._args import require_dtype, require_mp_policy
 
-__all__ = ["check_policy_dtypes", "get_internal_fsdp_mp_policy", "keep_storage_policy", "mp_policy_with_param_dtype", "primitive_policy"]
+__all__ = [
+    "check_policy_dtypes",
+    "get_internal_fsdp_mp_policy",
+    "keep_storage_policy",
+    "mp_policy_with_param_dtype",
+    "policy_dtype_problems",
+    "primitive_policy",
+]
 
 
 def mp_policy_with_param_dtype(
@@ -95,9 +102,10 @@ def get_internal_fsdp_mp_policy(
         internal = fsdptx.get_internal_fsdp_mp_policy(policy)
         fully_shard(block.attn.sinks_holder, mesh=mesh, mp_policy=internal)
     """
-    if mp_policy is None:
+    policy = require_mp_policy(mp_policy, "mp_policy", "get_internal_fsdp_mp_policy")
+    if policy is None:
         return None
-    return dataclasses.replace(mp_policy, output_dtype=None)
+    return dataclasses.replace(policy, output_dtype=None)
 
 
 def primitive_policy(mp_policy: MixedPrecisionPolicy | None) -> MixedPrecisionPolicy:
@@ -106,19 +114,29 @@ def primitive_policy(mp_policy: MixedPrecisionPolicy | None) -> MixedPrecisionPo
     return MixedPrecisionPolicy() if mp_policy is None else mp_policy
 
 
-def check_policy_dtypes(policy: MixedPrecisionPolicy | None, where: str) -> None:
-    """Refuse a policy whose ``param_dtype``, ``reduce_dtype`` or
-    ``output_dtype`` is not a floating dtype: FSDP2 would cast parameters,
-    gradients or outputs to an integer or bool dtype, which no training
-    wants and which fails (or silently truncates) long after construction."""
+def policy_dtype_problems(policy: MixedPrecisionPolicy | None, where: str) -> list[str]:
+    """One problem per ``param_dtype``, ``reduce_dtype`` or ``output_dtype``
+    of ``policy`` that is neither ``None`` nor a floating dtype (a string
+    such as ``"bf16"`` included), and for a ``cast_forward_inputs`` that is
+    not a bool: FSDP2 would cast parameters, gradients or outputs to it,
+    which no training wants and which fails (or silently truncates) long
+    after construction."""
     if policy is None:
-        return
-    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-        value = getattr(policy, name)
-        if value is None:
-            continue
-        if not isinstance(value, torch.dtype) or not value.is_floating_point:
-            raise ValueError(
-                f"{where}: mp_policy.{name} must be a floating dtype (torch.bfloat16, torch.float16, "
-                f"torch.float32) or None, got {value!r}"
-            )
+        return []
+    problems = [
+        f"{where}: mp_policy.{name} must be a floating dtype (torch.bfloat16, torch.float16, "
+        f"torch.float32) or None, got {value!r}"
+        for name in ("param_dtype", "reduce_dtype", "output_dtype")
+        if (value := getattr(policy, name)) is not None
+        and not (isinstance(value, torch.dtype) and value.is_floating_point)
+    ]
+    if not isinstance(policy.cast_forward_inputs, bool):
+        problems.append(f"{where}: mp_policy.cast_forward_inputs must be a bool, got {policy.cast_forward_inputs!r}")
+    return problems
+
+
+def check_policy_dtypes(policy: MixedPrecisionPolicy | None, where: str) -> None:
+    """Refuse what :func:`policy_dtype_problems` finds, with its first problem."""
+    problems = policy_dtype_problems(policy, where)
+    if problems:
+        raise ValueError(problems[0])

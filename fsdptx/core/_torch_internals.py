@@ -12,8 +12,9 @@ What is here, by who needs it:
 - applying a plan: composable ``checkpoint`` (torch's only checkpoint that
   composes with ``fully_shard`` on the same module) and its registry (has a
   module been checkpointed?), selective checkpointing's recompute mode,
-  FSDP's per-unit state and parameter groups (reduce dtypes of unused
-  parameters, the gradient-sync flags ``gradient_sync_context`` restores);
+  FSDP's per-unit state (and whether it is its model's root) and parameter
+  groups (reduce dtypes of unused parameters, the gradient-sync flags
+  ``gradient_sync_context`` restores);
 - tensor parallelism: ``_StridedShard`` (a packed gate|up weight split per
   half), functional all-reduce (counted as TP traffic by tracers), a DTensor's
   local shard without ``to_local``'s autograd node, ``_foreach_copy_``; a
@@ -26,7 +27,7 @@ What is here, by who needs it:
 - async TP: inductor's micro-pipeline switch and symmetric memory;
 - the memory plan's trace: ``FakeTensorMode``, ``FSDPMemTracker`` and two
   patches that keep its count honest and fast; an operator's name. The
-  trace's tracker subclass (``fsdptx.cli._memory``) also overrides the
+  trace's tracker subclass (``fsdptx.cli._trace``) also overrides the
   tracker's private ``_update_peak_stats`` hook and reads its
   ``_mod_tracker``: a subclass's overrides live with the subclass;
 - fake worlds for tests: torch's fake process-group store, the DTensor
@@ -74,6 +75,7 @@ __all__ = [
     "enable_symmetric_memory",
     "fast_fake_mode_lookup",
     "foreach_copy_",
+    "fsdp_is_root",
     "fsdp_param_groups",
     "fsdp_state",
     "functional_all_reduce",
@@ -107,6 +109,14 @@ def fsdp_state(module: nn.Module) -> Any:
     """The ``fully_shard`` state of an FSDP module, shared by every module
     of a multi-module unit (so its identity names the unit)."""
     return module._get_fsdp_state()  # type: ignore[operator]
+
+
+def fsdp_is_root(state: Any) -> bool | None:
+    """Whether an FSDP state is its model's root: ``True`` or ``False`` once
+    the first forward has run (FSDP decides it then: the state whose module
+    runs forward first), ``None`` before. There is no public accessor."""
+    is_root: bool | None = state._is_root
+    return is_root
 
 
 def fsdp_param_groups(state: Any) -> list[Any]:

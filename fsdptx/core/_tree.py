@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeVar, cast, overload
 import torch
 from torch import nn
 
-from ._args import require_module
+from ._args import require_bool, require_callable, require_module, require_modules
 
 __all__ = [
     "get_module_from_path",
@@ -226,15 +226,34 @@ def iter_maximal_uniform_dtype_subtrees(
         ``return_paths=True``, in registration order.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
+        TypeError: an argument of the wrong type (at the call, not at the
+            first ``next()``).
 
     Example::
 
         for fqn, sub, dtype in fsdptx.iter_maximal_uniform_dtype_subtrees(block, return_paths=True):
             print(fqn or "<root>", dtype)
     """
-    require_module(module, "module", "iter_maximal_uniform_dtype_subtrees")
-    dtype_fn: Callable[[torch.Tensor], torch.dtype] = dtype_of or (lambda t: t.dtype)
+    where = "iter_maximal_uniform_dtype_subtrees"
+    require_module(module, "module", where)
+    require_bool(include_buffers, "include_buffers", where)
+    require_callable(tensor_pred, "tensor_pred", where, optional=True)
+    dtype_fn: Callable[[torch.Tensor], torch.dtype] = require_callable(dtype_of, "dtype_of", where, optional=True) or (
+        lambda t: t.dtype
+    )
+    require_bool(return_paths, "return_paths", where)
+    # Checked at the call; the walk itself runs as the caller iterates.
+    return _uniform_subtrees(module, include_buffers, tensor_pred, dtype_fn, return_paths)
+
+
+def _uniform_subtrees(
+    module: nn.Module,
+    include_buffers: bool,
+    tensor_pred: Callable[[torch.Tensor], bool] | None,
+    dtype_fn: Callable[[torch.Tensor], torch.dtype],
+    return_paths: bool,
+) -> Iterator[UniformSubtreeItem]:
+    """:func:`iter_maximal_uniform_dtype_subtrees` once its arguments are checked."""
 
     def key_of(m: nn.Module) -> Iterator[torch.dtype]:
         for t in _direct_tensors(m, include_buffers):
@@ -312,12 +331,10 @@ _Tensor = TypeVar("_Tensor", bound=torch.Tensor)
 
 
 def _iter_unique_named(
-    model_parts: Sequence[nn.Module] | nn.Module,
+    parts: list[nn.Module],
     named: Callable[[nn.Module], Iterable[tuple[str, _Tensor]]],
 ) -> Iterator[tuple[str, _Tensor]]:
-    parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
-    for i, part in enumerate(parts):
-        require_module(part, f"model_parts[{i}]", "iter_unique_named_parameters/buffers")
+    """The tensors of ``parts`` (checked by the public caller), each once."""
     entries = [(index, fqn, t) for index, part in enumerate(parts) for fqn, t in named(part)]
     for _, fqn, tensor in rank_stable_unique(entries):
         yield fqn, tensor
@@ -348,7 +365,8 @@ def iter_unique_named_parameters(
         for fqn, p in fsdptx.iter_unique_named_parameters([model]):
             ...  # the same order on every rank
     """
-    yield from _iter_unique_named(model_parts, lambda m: m.named_parameters(remove_duplicate=False))
+    parts = require_modules(model_parts, "model_parts", "iter_unique_named_parameters")
+    return _iter_unique_named(parts, lambda m: m.named_parameters(remove_duplicate=False))
 
 
 def iter_unique_named_buffers(
@@ -370,4 +388,5 @@ def iter_unique_named_buffers(
 
         names = [fqn for fqn, _ in fsdptx.iter_unique_named_buffers(model)]
     """
-    yield from _iter_unique_named(model_parts, lambda m: m.named_buffers(remove_duplicate=False))
+    parts = require_modules(model_parts, "model_parts", "iter_unique_named_buffers")
+    return _iter_unique_named(parts, lambda m: m.named_buffers(remove_duplicate=False))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 
@@ -23,7 +23,7 @@ from ._unit_checks import is_container
 from ._gap import StageGap
 from ._walk import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
 
-__all__ = ["ModelIndex", "PlanningError", "discover_blocks", "resolve_blocks"]
+__all__ = ["ModelIndex", "PlanningError", "discover_blocks", "empty_containers_note", "kv_cache_configs", "kv_cache_switches", "resolve_blocks"]
 
 _NUMEL = operator.methodcaller("numel")
 
@@ -41,6 +41,29 @@ class PlanningError(ValueError):
         except fsdptx.PlanningError as e:
             print(e)  # names the glob that matched nothing
     """
+
+
+def kv_cache_configs(modules: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, object]]:
+    """Where a model's KV cache is on: ``(path, config)`` for each distinct
+    config object its modules hold with ``use_cache`` true, the path as
+    ``model.<fqn>.config.use_cache`` (a multimodal model's language model
+    reads its text config, not the top-level one). Reads only."""
+    found: list[tuple[str, object]] = []
+    seen: set[int] = set()
+    for fqn, module in modules:
+        config = module.__dict__.get("config")
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        if getattr(config, "use_cache", None) is True:
+            found.append((f"model.{fqn}.config.use_cache" if fqn else "model.config.use_cache", config))
+    return found
+
+
+def kv_cache_switches(modules: Iterable[tuple[str, nn.Module]]) -> tuple[str, ...]:
+    """The paths of :func:`kv_cache_configs`: what activation checkpointing
+    turns off when applied, and what the Plan records it will."""
+    return tuple(path for path, _config in kv_cache_configs(modules))
 
 
 def unwrap_checkpoint(module: nn.Module) -> nn.Module:
@@ -310,6 +333,21 @@ class ModelIndex:
         return found
 
 
+def empty_containers_note(index: ModelIndex) -> str:
+    """Why a model may have no blocks, for the messages that say none were
+    found: its ``nn.ModuleList``/``nn.ModuleDict`` containers that hold no
+    module (a zero-layer model). ``""`` when there is none."""
+    empty = [
+        f or "<root>"
+        for f, cls, m in zip(index.module_fqns, index.module_types, index.walk.modules)
+        if issubclass(cls, (nn.ModuleList, nn.ModuleDict)) and is_container(m) and not m._modules
+    ]
+    if not empty:
+        return ""
+    shown = ", ".join(repr(f) for f in empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+    return f" ({shown} {'holds' if len(empty) == 1 else 'hold'} no modules: the model has zero layers)"
+
+
 def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[str, ...]:
     """The model's repeated blocks, by the conventions models already declare.
 
@@ -367,7 +405,11 @@ def _blocks_of_classes(idx: ModelIndex, class_names: Collection[str]) -> tuple[s
 def resolve_blocks(spec: Sequence[str], index: ModelIndex, where: str) -> tuple[str, ...]:
     """Blocks named by ``spec``: each entry an exact module FQN, a class
     name (``"LlamaDecoderLayer"``), or a glob with one segment per ``*``
-    (``"layers.*"``), wrappers seen through. An entry matching nothing is an
+    (``"layers.*"``), wrappers seen through. A container matched (an
+    ``nn.ModuleList`` or ``nn.ModuleDict`` without a forward of its own,
+    ``"layers"``) means its children: it never runs, so checkpointing it,
+    or ending the block order and the prefetch chains at it, would do
+    nothing. An entry matching nothing (or only empty containers) is an
     error naming it; the result keeps the entries' order, each entry's
     matches in index order."""
     out: list[str] = []
@@ -379,6 +421,7 @@ def resolve_blocks(spec: Sequence[str], index: ModelIndex, where: str) -> tuple[
             matched = _blocks_of_classes(index, (entry,))
         else:
             matched = tuple(sorted({_outermost(f) for f in index.match(entry)}, key=natural_key))
+        matched = tuple(b for m in matched for b in _contained(index, m))
         if not matched:
             raise PlanningError(
                 f"{where}: blocks entry {entry!r} matches no module of {type(index.root).__name__} "
@@ -386,3 +429,13 @@ def resolve_blocks(spec: Sequence[str], index: ModelIndex, where: str) -> tuple[
             )
         out.extend(m for m in matched if m not in out)
     return tuple(out)
+
+
+def _contained(index: ModelIndex, fqn: str) -> list[str]:
+    """``fqn``, or, for a container, the blocks it holds (its children in
+    index order, containers among them expanded in turn)."""
+    module = index.modules[fqn]
+    if not is_container(module):
+        return [fqn]
+    children = sorted((join_fqn(fqn, n) for n, c in module._modules.items() if c is not None), key=natural_key)
+    return [b for c in children for b in _contained(index, c)]

@@ -28,7 +28,7 @@ from ._types import Unit, marks_under_exclusions
 from ._vouch import vouch, vouch_marks
 from .resolve import resolve_units
 
-__all__ = ["Transform", "compose", "model_index", "plan", "plan_indexed"]
+__all__ = ["Transform", "check_reshard", "check_transform_args", "compose", "model_index", "plan", "plan_indexed"]
 
 
 class Transform(Protocol):
@@ -101,7 +101,7 @@ def compose(*transforms: Transform) -> Transform:
     for i, t in enumerate(transforms):
         if not callable(t):
             raise TypeError(
-                f"compose: transform {i} must be callable (model, Plan) -> Plan, got {type(t).__name__} {t!r}"
+                f"compose: transforms[{i}] must be callable (model, Plan) -> Plan, got {type(t).__name__} {t!r}"
             )
 
     def composed(model: nn.Module, p: Plan, /) -> Plan:
@@ -197,7 +197,7 @@ def plan_indexed(
     start = Plan(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
-        reshard_after_forward=reshard_after_forward,
+        reshard_after_forward=check_reshard(reshard_after_forward, "plan"),
         scratch=index,
     )
     planned = _checked(transform, model, start)
@@ -205,6 +205,27 @@ def plan_indexed(
     if problem is not None:
         raise PlanningError(f"plan: {problem}")
     return planned.replace(scratch=None, verified=vouch_marks(model_index(model, planned), planned))
+
+
+def check_reshard(value: object, where: str) -> bool | int | None:
+    """``reshard_after_forward`` must be None, a bool, or a world size >= 1;
+    caught here so a typo fails at planning, not inside the primitive after
+    earlier units were already sharded."""
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value >= 1):
+        return value
+    raise PlanningError(
+        f"{where}: reshard_after_forward must be None, True, False or a positive int world size, "
+        f"got {value!r}"
+    )
+
+
+def check_transform_args(model: object, plan: object, where: str, plan_argument: str = "plan") -> None:
+    """A transform called on its own gets what ``plan()`` would hand it: a
+    module and a Plan (a wrong type would otherwise fail as an
+    ``AttributeError`` deep inside, naming neither)."""
+    require_module(model, "model", where)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"{where}: {plan_argument} must be an fsdptx.Plan (start from fsdptx.Plan()), got {type(plan).__name__}")
 
 
 def model_index(model: nn.Module, p: Plan) -> ModelIndex:

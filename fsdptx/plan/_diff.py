@@ -9,13 +9,15 @@ about FQNs differing only in their block indices are collapsed into one,
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..core._names import collapse_keyed, join_names
 from ._plan import Plan
-from ._types import Unit
+from ._style_data import MAPPING, TYPE_KEY
+from ._types import StreamStep, Unit
 
 __all__ = ["PlanDiff", "diff_plans"]
 
@@ -137,27 +139,116 @@ def _checkpointing(a: Plan, b: Plan) -> list[str]:
         ac = p.checkpointing
         return {} if ac is None else {m: f"{ac.mode}" for m in ac.modules}
 
-    return collapse(_per_key(modes(a), modes(b), "checkpoint "))
+    lines = collapse(_per_key(modes(a), modes(b), "checkpoint "))
+    kv = [() if p.checkpointing is None else p.checkpointing.kv_cache_off for p in (a, b)]
+    return lines + _membership("KV caches checkpointing turns off", kv[0], kv[1])
 
 
 def _tensor_parallel(a: Plan, b: Plan) -> list[str]:
     x, y = a.tensor_parallel, b.tensor_parallel
-    styles = [({} if t is None else {s.module: s.style for s in t.assignments}) for t in (x, y)]
+    assigned = [({} if t is None else {s.module: s for s in t.assignments}) for t in (x, y)]
+    styles = [{m: s.style for m, s in found.items()} for found in assigned]
     lines = collapse(_per_key(styles[0], styles[1]))
-    patterns = [({} if t is None else {s.module: s.pattern for s in t.assignments}) for t in (x, y)]
+    both = sorted(set(assigned[0]) & set(assigned[1]))
+    # The same readable name, other settings (use_local_output, layouts ...):
+    # the name leaves them out, so say which changed.
     lines += collapse(
-        (m, f"TP pattern {_short(patterns[0][m])} -> {_short(patterns[1][m])}")
-        for m in sorted(set(patterns[0]) & set(patterns[1]))
-        if patterns[0][m] != patterns[1][m]
+        (m, "TP style " + _settings_change(assigned[0][m].settings, assigned[1][m].settings))
+        for m in both
+        if assigned[0][m].style == assigned[1][m].style and assigned[0][m].settings != assigned[1][m].settings
+    )
+    lines += collapse(
+        (m, f"TP pattern {_short(assigned[0][m].pattern)} -> {_short(assigned[1][m].pattern)}")
+        for m in both
+        if assigned[0][m].pattern != assigned[1][m].pattern
     )
     if x is None or y is None:
         if x != y:
             lines.append(f"tensor parallelism: {'requested' if x is None else 'dropped'}")
         return lines
     for f in dataclasses.fields(x):
-        if f.name != "assignments" and f.compare:
+        if f.name not in ("assignments", "stream") and f.compare:
             lines += _field_lines(f"tensor_parallel.{f.name}", getattr(x, f.name), getattr(y, f.name))
+    return lines + _stream(x.stream, y.stream)
+
+
+def _settings_change(a: str, b: str) -> str:
+    """What differs between two styles' settings
+    (:func:`~fsdptx.plan._style_data.style_settings`): the class, then each
+    attribute that differs, ``name old -> new``."""
+    if not (a.startswith("{") and b.startswith("{")):
+        return f"settings {a} -> {b}"
+    x, y = json.loads(a), json.loads(b)
+    parts = []
+    if x.get("qualname") != y.get("qualname"):
+        parts.append(f"class {x.get('qualname')} -> {y.get('qualname')}")
+    old, new = x.get("attributes", {}), y.get("attributes", {})
+    for name in sorted(set(old) | set(new)):
+        if old.get(name, _ABSENT) != new.get(name, _ABSENT):
+            parts.append(f"{name} {_encoded(old.get(name, _ABSENT))} -> {_encoded(new.get(name, _ABSENT))}")
+    return "; ".join(parts)
+
+
+_ABSENT = object()
+
+
+def _encoded(value: Any) -> str:
+    """An encoded style attribute as a reader writes it: ``Shard(1)``,
+    ``(Replicate(),)``, ``bfloat16``, ``None``; ``(unset)`` where the style
+    does not hold the attribute (the class's default applies)."""
+    if value is _ABSENT:
+        return "(unset)"
+    if value is None:
+        return "None"
+    if isinstance(value, list):
+        return "(" + ", ".join(_encoded(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    if not isinstance(value, dict):
+        return str(value)
+    kind = value.get(TYPE_KEY)
+    if kind == "Shard":
+        return f"Shard({value.get('dim')})"
+    if kind == "Replicate":
+        return "Replicate()"
+    if kind == "Partial":
+        return f"Partial({value.get('reduce_op')})"
+    if kind == "dtype":
+        return str(value.get("name"))
+    if kind == "ParallelStyle":
+        inner = ", ".join(f"{k}={_encoded(v)}" for k, v in sorted(value.get("attributes", {}).items()))
+        return f"{value.get('class')}({inner})"
+    items = value.get("items", {}) if kind == MAPPING else value
+    return "{" + ", ".join(f"{k}: {_encoded(v)}" for k, v in sorted(items.items())) + "}"
+
+
+def _stream(a: tuple[StreamStep, ...], b: tuple[StreamStep, ...]) -> list[str]:
+    """The residual stream's changes, per module: one line per field of a
+    step that differs (``layers.{0..3}.mlp: stream takes Shard(1) ->
+    whole``), steps gained or lost, and a change of order. Block indices
+    collapse, so one style change reads as a few lines, not as the whole
+    stream twice."""
+    old = {s.module: s for s in a}
+    new = {s.module: s for s in b}
+    items: list[tuple[str, str]] = []
+    for module, step in new.items():
+        was = old.get(module)
+        if was is None:
+            items.append((module, f"stream gains {step.role}: {step.takes} -> {step.gives}"))
+            continue
+        for f in dataclasses.fields(StreamStep):
+            x, y = getattr(was, f.name), getattr(step, f.name)
+            if f.compare and x != y:
+                items.append((module, f"stream {f.name} {_changed(x, y)}"))
+    items += [(m, f"stream loses {s.role}: {s.takes} -> {s.gives}") for m, s in old.items() if m not in new]
+    lines = collapse(items)
+    kept = [m for m in new if m in old]
+    if [m for m in old if m in new] != kept:
+        shown = kept[:_ORDER_SHOWN] + ([f"... ({len(kept)} in all)"] if len(kept) > _ORDER_SHOWN else [])
+        lines.append("stream order changes: now " + ", ".join(shown))
     return lines
+
+
+# How many modules of a reordered stream a diff lists, in their new order.
+_ORDER_SHOWN = 12
 
 
 def _prefetch(a: Plan, b: Plan) -> list[str]:
@@ -206,7 +297,9 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     Per concern, one line per change, FQNs that differ only in block
     indices collapsed into one line: unit changes (``unit 3 gains
     layers.{0..7}.sinks.weight``, new and removed units, settings),
-    tensor-parallel styles (``lm_head: colwise_rep -> (none)``), activation
+    tensor-parallel styles (``lm_head: colwise_rep -> (none)``; a style of
+    the same name with other settings as ``b: TP style use_local_output
+    True -> False``), the residual stream step by step, activation
     checkpointing (``layers.{0..7}: checkpoint full -> selective``),
     reduction marks (``layers.3.norm.weight: mean -> sum``), exclusions,
     expert modules, prefetch chains, and any other field as

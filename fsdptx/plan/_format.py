@@ -11,6 +11,7 @@ names the Plan only through :class:`PlanView`.
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -30,7 +31,7 @@ from ._types import (
     reshards_after_forward,
 )
 
-__all__ = ["PipelineView", "PlanView", "StageView", "format_pipeline", "format_plan", "format_requests"]
+__all__ = ["PipelineView", "PlanView", "StageView", "format_pipeline", "format_plan", "format_requests", "fp32_input_casts"]
 
 
 class PlanView(Protocol):
@@ -147,6 +148,12 @@ def format_plan(plan: PlanView) -> str:
     lines.extend(table)
     total = sum(u.nbytes for u in plan.units)
     lines.append(f"{len(plan.units)} units, {format_bytes(total)} of parameters")
+    casts = fp32_input_casts(plan)
+    if casts:
+        lines.append(
+            f"fp32 input casts: {join_names(casts)} (every parameter below computes in fp32 inside a "
+            "lower-precision model: apply_plan casts their floating inputs to fp32)"
+        )
     if any(u.mesh != "dp" for u in plan.units):
         moe = [i for i, u in enumerate(plan.units) if u.mesh == "moe"]
         lines.append(f"sharded over the MoE mesh: units {index_runs(moe)}; all others over the dense mesh")
@@ -163,6 +170,27 @@ def format_plan(plan: PlanView) -> str:
     return "\n".join(lines)
 
 
+def fp32_input_casts(plan: PlanView) -> list[str]:
+    """The modules whose floating inputs ``apply_plan`` casts to fp32: the
+    modules of fp32 units whose every parameter, children's included,
+    computes in fp32, in a plan where some unit computes in a lower
+    precision (an fp32 router inside a bf16 block; see
+    :mod:`fsdptx.apply._inputs`), read off the units' parameter FQNs."""
+    if all(u.compute_dtype == torch.float32 for u in plan.units):
+        return []
+    fp32 = {p for u in plan.units if u.compute_dtype == torch.float32 for p in u.params}
+    names = sorted({p for u in plan.units for p in u.params})
+    found: list[str] = []
+    for u in plan.units:
+        if u.compute_dtype != torch.float32:
+            continue
+        for m in u.modules:  # a subtree's FQNs sort between "m." and "m/" ("/" follows ".")
+            below = names[bisect_left(names, m + ".") : bisect_left(names, m + "/")] if m else names
+            if below and fp32.issuperset(below):
+                found.append(m)
+    return found
+
+
 def _reshard_cell(u: Unit) -> str:
     r = u.reshard_after_forward
     if type(r) is int and r > 1:
@@ -171,14 +199,26 @@ def _reshard_cell(u: Unit) -> str:
 
 
 def _format_stream(steps: tuple[StreamStep, ...]) -> list[str]:
-    """The residual stream in forward order, one row per pattern (block
-    indices as ``*``): what each module receives and hands on, and what
-    the sequence-layout pass added there."""
+    """The residual stream in the order the sequence-layout pass walked it,
+    one row per pattern (block indices collapsed): what each module
+    receives and hands on, and what the pass added there.
+
+    The pass reads the model, never runs it: the embedding, the blocks
+    and the final modules come in forward order, but inside a block its
+    children come in the order the model registered them, which is the
+    order its forward calls them only when the model was written that way
+    (Hugging Face's Llama registers ``self_attn`` and ``mlp`` before the
+    two norms it calls first). Every child of a block takes and gives the
+    block's sequence layout, so the order does not change what is
+    decided; the heading says which order it is."""
     if not steps:
         return []
     rows = collapse_keyed((s.module, (s.role, s.takes, s.gives, s.added or "")) for s in steps)
     width = max(len(label) for label, _key, _names in rows)
-    out = ["  stream (forward order): module  role  receives -> hands on  [added]"]
+    out = [
+        "  stream (blocks in forward order, a block's children in registration order): "
+        "module  role  receives -> hands on  [added]"
+    ]
     for label, (role, takes, gives, added), _names in rows:
         extra = f"  [{added}]" if added else ""
         out.append(f"    {label.ljust(width)}  {role}: {takes} -> {gives}{extra}")
@@ -212,6 +252,8 @@ def format_requests(plan: PlanView) -> list[str]:
     if plan.checkpointing is not None:
         ac = plan.checkpointing
         lines.append(f"activation checkpointing ({ac.mode}): " + join_names(ac.modules))
+        if ac.kv_cache_off:
+            lines.append(f"  turns off the KV cache (cannot be recomputed): {', '.join(ac.kv_cache_off)} = False")
     if plan.prefetch:
         fwd = max(len(p.forward) for p in plan.prefetch)
         bwd = max(len(p.backward) for p in plan.prefetch)

@@ -13,16 +13,24 @@ dataclass added to :mod:`fsdptx.plan._types` (or :mod:`fsdptx.plan._plan`)
 is found by name.
 
 Every dataclass or special object is a JSON object with a ``"__type__"``
-key; every other JSON object is a mapping, every JSON list a tuple.
+key; every other JSON object is a mapping (one whose own keys include
+``"__type__"``, such as the marks of a root parameter named so, is written
+``{"__type__": "mapping", "items": {...}}``), every JSON list a tuple.
+
+A file is data anyone can edit, so reading one checks everything before it
+builds anything: every field against its record's annotation
+(:mod:`fsdptx.plan._schema`), every special object's keys and values, every
+torch style's attributes; the first problem is a ``ValueError`` naming the
+field's path (``plan.units[0].storage_dtype``) and what it must be.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import json
 import sys
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,11 +45,21 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from . import _plan, _types
 from ._plan import Plan
+from ._schema import field_hints, mismatch
+from ._style_data import (
+    MAPPING,
+    TYPE_KEY,
+    DescribedStyle,
+    applied_attributes,
+    describe_style,
+    encode_dtype,
+    encode_mapping,
+    encode_placement,
+    qualified_name,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -54,9 +72,6 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-_TYPE = "__type__"
-# Style attributes that applying a style sets and no constructor takes.
-_SET_BY_APPLYING = ("src_data_rank",)
 
 # Torch dataclasses a Plan holds, encoded by their fields like fsdptx's own.
 _TORCH_DATACLASSES: dict[str, type] = {
@@ -80,28 +95,6 @@ def _plan_dataclasses() -> dict[str, type]:
     return found
 
 
-class DescribedStyle(ParallelStyle):
-    """A tensor-parallel style read from a plan file that fsdptx cannot
-    rebuild (a class other than torch's standard styles and fsdptx's own).
-
-    It keeps the description so the plan still compares, prints and
-    round-trips; :func:`fsdptx.apply_plan` refuses a plan holding one
-    before any mutation (see :func:`described_style_problems`)."""
-
-    def __init__(self, description: Mapping[str, Any]) -> None:
-        super().__init__()
-        self.description = dict(description)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        raise RuntimeError(
-            f"DescribedStyle({self.description.get('class')}) cannot be applied; "
-            "apply_plan refuses plans holding one before changing anything"
-        )
-
-    def __repr__(self) -> str:
-        return f"DescribedStyle({self.description.get('class')})"
-
-
 def described_style_problems(plan: Plan) -> list[str]:
     """One problem per TP assignment of ``plan`` whose style was read from
     a file and could not be rebuilt: such a plan can be inspected and
@@ -123,61 +116,21 @@ def described_style_problems(plan: Plan) -> list[str]:
 # Encoding.
 
 
-def _encode_placement(p: Placement) -> dict[str, Any]:
-    if isinstance(p, Shard) and type(p) is Shard:
-        return {_TYPE: "Shard", "dim": p.dim}
-    if isinstance(p, Replicate):
-        return {_TYPE: "Replicate"}
-    if isinstance(p, Partial):
-        return {_TYPE: "Partial", "reduce_op": p.reduce_op}
-    raise TypeError(f"plan_to_json: cannot encode the placement {p!r}; only Shard, Replicate and Partial are known")
-
-
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-_TORCH_STYLES: dict[str, type[ParallelStyle]] = {
-    _qualified(c): c
-    for c in (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput)
-}
-
-
-def _style_class(qualname: str) -> type[ParallelStyle] | None:
-    """The class a description names, when fsdptx can rebuild it: torch's
-    standard styles, or a ParallelStyle defined in fsdptx itself (imported
-    by name; nothing outside the package is imported from a file)."""
-    if qualname in _TORCH_STYLES:
-        return _TORCH_STYLES[qualname]
-    module_name, _, name = qualname.rpartition(".")
-    if not module_name.startswith("fsdptx."):
-        return None
-    try:
-        found = getattr(importlib.import_module(module_name), name, None)
-    except ImportError:
-        return None
-    defined_there = isinstance(found, type) and found.__module__ == module_name and found.__qualname__ == name
-    return found if defined_there and issubclass(found, ParallelStyle) else None  # type: ignore[arg-type]
-
-
-def _describe_style(style: ParallelStyle) -> dict[str, Any]:
-    """A style as data: its class and instance attributes (layouts,
-    desired layouts, ``use_local_output``, ...), each encoded as a value."""
-    if isinstance(style, DescribedStyle):
-        return {_TYPE: "ParallelStyle", **style.description}
-    attributes = {name: _encode(value, f"style {type(style).__name__}.{name}") for name, value in vars(style).items()}
-    return {_TYPE: "ParallelStyle", "class": type(style).__name__, "qualname": _qualified(type(style)), "attributes": attributes}
-
-
 def _encode(value: Any, where: str) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.dtype):
-        return {_TYPE: "dtype", "name": str(value).removeprefix("torch.")}
+        return encode_dtype(value)
     if isinstance(value, Placement):
-        return _encode_placement(value)
+        try:
+            return encode_placement(value)
+        except TypeError as e:
+            raise TypeError(f"plan_to_json: {where}: {e}") from None
     if isinstance(value, ParallelStyle):
-        return _describe_style(value)
+        try:
+            return describe_style(value, where)
+        except TypeError as e:
+            raise TypeError(f"plan_to_json: {e}") from None
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _encode_dataclass(value, where)
     if isinstance(value, (tuple, list)):
@@ -185,18 +138,25 @@ def _encode(value: Any, where: str) -> Any:
     if isinstance(value, Mapping):
         if not all(isinstance(k, str) for k in value):
             raise TypeError(f"plan_to_json: {where} has non-string keys; only str-keyed mappings are encoded")
-        return {k: _encode(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return encode_mapping({k: _encode(v, f"{where}[{k!r}]") for k, v in value.items()})
     raise TypeError(f"plan_to_json: cannot encode {where} of type {type(value).__name__}: {value!r}")
 
 
 def _encode_dataclass(value: Any, where: str) -> dict[str, Any]:
-    """A dataclass by its fields. Fields outside the value (``compare=False``)
-    are process-local caches and are left out, except a torch style, which
-    is part of what the plan does and is described structurally."""
-    out: dict[str, Any] = {_TYPE: type(value).__name__}
+    """A dataclass by its fields: each argument of the record that is part
+    of its value, and a torch style, which has no value of its own. Derived
+    fields and process-local caches (``compare=False``) are left out. A TP
+    assignment's style is written as its settings, taken when the
+    assignment was made (applying a style changes some attributes)."""
+    out: dict[str, Any] = {TYPE_KEY: type(value).__name__}
     for f in dataclasses.fields(value):
         item = getattr(value, f.name)
-        if not f.compare and not isinstance(item, ParallelStyle):
+        if not f.init or not (f.compare or isinstance(item, ParallelStyle)):
+            continue
+        if isinstance(value, _types.TPAssignment) and f.name == "parallel_style":
+            if not value.settings.startswith("{"):
+                raise TypeError(f"plan_to_json: {where}.parallel_style: {value.settings}")
+            out[f.name] = json.loads(value.settings)
             continue
         out[f.name] = _encode(item, f"{where}.{f.name}")
     return out
@@ -237,112 +197,258 @@ def plan_document(plan: Plan) -> dict[str, Any]:
 # Decoding.
 
 
-def _decode_placement(kind: str, data: Mapping[str, Any]) -> Placement:
-    if kind == "Shard":
-        return Shard(int(data["dim"]))
-    if kind == "Replicate":
-        return Replicate()
-    return Partial(str(data["reduce_op"]))
-
-
-_PLACEMENTS = ("Shard", "Replicate", "Partial")
-
-
-def _rebuild_style(data: Mapping[str, Any]) -> ParallelStyle:
-    """The style object for a description, or a :class:`DescribedStyle`
-    when its class is not one fsdptx can rebuild, or the rebuilt object
-    would not describe itself the same way."""
-    description = {k: v for k, v in data.items() if k != _TYPE}
-    cls = _style_class(str(description.get("qualname")))
-    if cls is None:
-        return DescribedStyle(description)
-    attrs = {k: _decode(v, f"style.{k}") for k, v in description.get("attributes", {}).items()}
-    builders: dict[str, Callable[[], ParallelStyle]] = {
-        "ColwiseParallel": lambda: ColwiseParallel(
-            input_layouts=_single(attrs["input_layouts"]),
-            output_layouts=_single(attrs["output_layouts"]),
-            use_local_output=attrs["use_local_output"],
-        ),
-        "RowwiseParallel": lambda: RowwiseParallel(
-            input_layouts=_single(attrs["input_layouts"]),
-            output_layouts=_single(attrs["output_layouts"]),
-            use_local_output=attrs["use_local_output"],
-        ),
-        "SequenceParallel": lambda: SequenceParallel(
-            sequence_dim=_single(attrs["sequence_sharding"]).dim, use_local_output=attrs["use_local_output"]
-        ),
-        "PrepareModuleInput": lambda: PrepareModuleInput(
-            input_layouts=attrs["input_layouts"],
-            desired_input_layouts=attrs["desired_input_layouts"],
-            # torch records "were kwarg layouts given" as with_kwargs
-            input_kwarg_layouts=dict(attrs["input_kwarg_layouts"]) if attrs["with_kwargs"] else None,
-            desired_input_kwarg_layouts=dict(attrs["desired_input_kwarg_layouts"]) if attrs["with_kwargs"] else None,
-            use_local_output=attrs["use_local_output"],
-        ),
-        "PrepareModuleOutput": lambda: PrepareModuleOutput(
-            output_layouts=attrs["output_layouts"],
-            desired_output_layouts=attrs["desired_output_layouts"],
-            use_local_output=attrs["use_local_output"],
-        ),
-    }
-    # Applying a style records state on it that no constructor takes (torch's
-    # parallelize_module sets src_data_rank, RowwiseParallel on an embedding
-    # its desired input layouts): set after construction, as applying did.
-    recorded = {k: attrs.pop(k) for k in _SET_BY_APPLYING if k in attrs}
-    if cls in _TORCH_STYLES.values():
-        build = builders.get(cls.__name__, cls)
-    else:  # fsdptx's own styles take their attributes as keyword arguments
-        build = functools.partial(cls, **attrs)
+def _style_class(qualname: str) -> type[ParallelStyle] | None:
+    """The class a description names, when fsdptx can rebuild it: torch's
+    standard styles, or a ParallelStyle defined in fsdptx itself (imported
+    by name; nothing outside the package is imported from a file)."""
+    if qualname in _TORCH_STYLES:
+        return _TORCH_STYLES[qualname]
+    module_name, _, name = qualname.rpartition(".")
+    if not module_name.startswith("fsdptx."):
+        return None
     try:
-        style = build()
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return DescribedStyle(description)  # a torch version with other attributes: keep the description
-    for name, value in {**attrs, **recorded}.items():
-        if name not in vars(style):
-            setattr(style, name, value)
-    rebuilt = _describe_style(style)
-    rebuilt.pop(_TYPE)
-    return style if rebuilt == description else DescribedStyle(description)
+        found = getattr(importlib.import_module(module_name), name, None)
+    except ImportError:
+        return None
+    defined_there = isinstance(found, type) and found.__module__ == module_name and found.__qualname__ == name
+    return found if defined_there and issubclass(found, ParallelStyle) else None  # type: ignore[arg-type]
+
+
+_TORCH_STYLES: dict[str, type[ParallelStyle]] = {
+    qualified_name(c): c
+    for c in (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput)
+}
+
+_Layouts = tuple[Placement, ...]
+_OptionalLayouts = tuple[Placement | None, ...]
+# What each attribute of torch's standard styles holds (torch keeps single
+# layouts as 1-tuples). An attribute not listed here is one another torch
+# version has: such a style is kept as a DescribedStyle.
+_TORCH_STYLE_ATTRIBUTES: dict[type[ParallelStyle], dict[str, Any]] = {
+    ColwiseParallel: {
+        "input_layouts": _Layouts,
+        "output_layouts": _Layouts,
+        "desired_input_layouts": _Layouts,
+        "use_local_output": bool,
+    },
+    RowwiseParallel: {
+        "input_layouts": _Layouts,
+        "output_layouts": _Layouts,
+        "desired_input_layouts": _Layouts,  # set by applying it to an embedding
+        "use_local_output": bool,
+    },
+    SequenceParallel: {"sequence_sharding": _Layouts, "use_local_output": bool},
+    PrepareModuleInput: {
+        "input_layouts": _OptionalLayouts | None,
+        "desired_input_layouts": _OptionalLayouts | None,
+        "input_kwarg_layouts": Mapping[str, Placement],
+        "desired_input_kwarg_layouts": Mapping[str, Placement],
+        "with_kwargs": bool,
+        "use_local_output": bool,
+    },
+    PrepareModuleOutput: {
+        "output_layouts": _OptionalLayouts,
+        "desired_output_layouts": _Layouts,
+        "use_local_output": bool,
+    },
+}
+# Set on a style by applying it (torch's parallelize_module), never by a
+# constructor: a value other than the class's default is set after
+# construction, as applying did.
+_SRC_DATA_RANK = "src_data_rank"
+
+
+def _style_attribute_hints(cls: type[ParallelStyle]) -> dict[str, Any]:
+    """What each attribute of a style of class ``cls`` may hold: the table
+    above for torch's styles, the constructor's annotations for fsdptx's
+    own (which take their attributes as keyword arguments)."""
+    if cls in _TORCH_STYLE_ATTRIBUTES:
+        hints = dict(_TORCH_STYLE_ATTRIBUTES[cls])
+    else:
+        try:
+            hints = typing.get_type_hints(cls.__init__)
+        except (NameError, TypeError):
+            hints = {}
+        hints.pop("return", None)
+    return {**hints, _SRC_DATA_RANK: int | None}
 
 
 def _single(layouts: Any) -> Any:
     return layouts[0] if isinstance(layouts, tuple) and len(layouts) == 1 else layouts
 
 
-def _decode(value: Any, where: str) -> Any:
-    if isinstance(value, list):
-        return tuple(_decode(v, f"{where}[{i}]") for i, v in enumerate(value))
-    if not isinstance(value, dict):
-        return value
-    kind = value.get(_TYPE)
-    if kind is None:
-        return {k: _decode(v, f"{where}[{k!r}]") for k, v in value.items()}
-    if kind == "dtype":
-        dtype = getattr(torch, str(value["name"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"plan_from_json: {where}: unknown torch dtype {value['name']!r}")
-        return dtype
-    if kind in _PLACEMENTS:
-        return _decode_placement(kind, value)
-    if kind == "ParallelStyle":
-        return _rebuild_style(value)
-    cls = _TORCH_DATACLASSES.get(kind) or _plan_dataclasses().get(kind)
-    if cls is None:
-        raise ValueError(
-            f"plan_from_json: {where} has unknown type {kind!r}; the file was written by another fsdptx version"
-        )
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(value) - set(fields) - {_TYPE})
+_BUILDERS: dict[type[ParallelStyle], Callable[[dict[str, Any]], ParallelStyle]] = {
+    ColwiseParallel: lambda a: ColwiseParallel(
+        input_layouts=_single(a["input_layouts"]),
+        output_layouts=_single(a["output_layouts"]),
+        use_local_output=a["use_local_output"],
+    ),
+    RowwiseParallel: lambda a: RowwiseParallel(
+        input_layouts=_single(a["input_layouts"]),
+        output_layouts=_single(a["output_layouts"]),
+        use_local_output=a["use_local_output"],
+    ),
+    SequenceParallel: lambda a: SequenceParallel(
+        sequence_dim=_single(a["sequence_sharding"]).dim, use_local_output=a["use_local_output"]
+    ),
+    PrepareModuleInput: lambda a: PrepareModuleInput(
+        input_layouts=a["input_layouts"],
+        desired_input_layouts=a["desired_input_layouts"],
+        # torch records "were kwarg layouts given" as with_kwargs
+        input_kwarg_layouts=dict(a["input_kwarg_layouts"]) if a["with_kwargs"] else None,
+        desired_input_kwarg_layouts=dict(a["desired_input_kwarg_layouts"]) if a["with_kwargs"] else None,
+        use_local_output=a["use_local_output"],
+    ),
+    PrepareModuleOutput: lambda a: PrepareModuleOutput(
+        output_layouts=a["output_layouts"],
+        desired_output_layouts=a["desired_output_layouts"],
+        use_local_output=a["use_local_output"],
+    ),
+}
+
+
+# Integer fields that count something, which their annotation (int) does
+# not say cannot be negative.
+_COUNTS: dict[str, tuple[str, ...]] = {"Unit": ("numel", "nbytes"), "ExpertParallel": ("num_experts",)}
+
+
+def _problem(where: str, message: str) -> ValueError:
+    return ValueError(f"plan_from_json: {where}: {message}")
+
+
+def _check_keys(data: Mapping[str, Any], where: str, kind: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """``data`` (an encoded ``kind``) has every required key and no other."""
+    unknown = sorted(set(data) - set(required) - set(optional) - {TYPE_KEY})
     if unknown:
         raise ValueError(
             f"plan_from_json: {where} ({kind}) has fields {unknown} this fsdptx does not know; "
             "read it with the fsdptx version that wrote it"
         )
-    kwargs = {k: _decode(v, f"{where}.{k}") for k, v in value.items() if k != _TYPE}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ValueError(f"plan_from_json: {where} ({kind}) cannot be built: {e}") from None
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise _problem(where, f"a {kind} needs the field(s) {missing}")
+
+
+class _Reader:
+    """One document's decoding: the record classes and their field
+    annotations are looked up once per document, not once per record."""
+
+    def __init__(self) -> None:
+        self.classes = {**_TORCH_DATACLASSES, **_plan_dataclasses()}
+        self.hints: dict[type, dict[str, Any]] = {}
+
+    def value(self, data: Any, where: str) -> Any:
+        if isinstance(data, list):
+            return tuple(self.value(v, f"{where}[{i}]") for i, v in enumerate(data))
+        if not isinstance(data, dict):
+            return data
+        kind = data.get(TYPE_KEY)
+        if kind is None:
+            return {k: self.value(v, f"{where}[{k!r}]") for k, v in data.items()}
+        if not isinstance(kind, str):
+            raise _problem(where, f'"{TYPE_KEY}" must name a type (a string), but is {json.dumps(kind)}')
+        if kind == MAPPING:
+            _check_keys(data, where, kind, ("items",))
+            if not isinstance(data["items"], dict):
+                raise _problem(f"{where}.items", "must be an object")
+            return {k: self.value(v, f"{where}[{k!r}]") for k, v in data["items"].items()}
+        if kind == "dtype":
+            _check_keys(data, where, kind, ("name",))
+            dtype = getattr(torch, data["name"], None) if isinstance(data["name"], str) else None
+            if not isinstance(dtype, torch.dtype):
+                raise _problem(where, f"unknown torch dtype {json.dumps(data['name'])}")
+            return dtype
+        if kind in ("Shard", "Replicate", "Partial"):
+            return self.placement(kind, data, where)
+        if kind == "ParallelStyle":
+            return self.style(data, where)
+        cls = self.classes.get(kind)
+        if cls is None:
+            raise ValueError(
+                f"plan_from_json: {where} has unknown type {kind!r}; the file was written by another fsdptx version"
+            )
+        return self.record(cls, kind, data, where)
+
+    def placement(self, kind: str, data: dict[str, Any], where: str) -> Placement:
+        if kind == "Replicate":
+            _check_keys(data, where, kind, ())
+            return Replicate()
+        field = "dim" if kind == "Shard" else "reduce_op"
+        _check_keys(data, where, kind, (field,))
+        value = data[field]
+        if kind == "Shard":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _problem(f"{where}.dim", f"must be an integer, but is {json.dumps(value)}")
+            return Shard(value)
+        if not isinstance(value, str):
+            raise _problem(f"{where}.reduce_op", f"must be a string such as \"sum\", but is {json.dumps(value)}")
+        return Partial(value)
+
+    def record(self, cls: type, kind: str, data: dict[str, Any], where: str) -> Any:
+        hints = self.hints.get(cls)
+        if hints is None:
+            hints = self.hints[cls] = field_hints(cls)
+        fields = {
+            f.name: f for f in dataclasses.fields(cls) if f.init and (f.compare or hints[f.name] is ParallelStyle)
+        }
+        required = tuple(
+            n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        _check_keys(data, where, kind, required, tuple(fields))
+        kwargs = {k: self.value(v, f"{where}.{k}") for k, v in data.items() if k != TYPE_KEY}
+        for name, value in kwargs.items():
+            problem = mismatch(value, hints[name], f"{where}.{name}")
+            if problem is not None:
+                raise ValueError(f"plan_from_json: {problem}")
+        for name in _COUNTS.get(kind, ()):
+            counts = kwargs.get(name, 0)
+            if any(c < 0 for c in (counts if isinstance(counts, tuple) else (counts,))):
+                raise _problem(f"{where}.{name}", f"must not be negative, but is {json.dumps(data[name])}")
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"plan_from_json: {where} ({kind}) cannot be built: {e}") from None
+
+    def style(self, data: dict[str, Any], where: str) -> ParallelStyle:
+        """The style object for a description, or a :class:`DescribedStyle`
+        when its class is not one fsdptx can rebuild, has attributes this
+        torch does not know, or the rebuilt object would not describe
+        itself the same way. An attribute of a known kind that holds the
+        wrong thing is refused."""
+        _check_keys(data, where, "ParallelStyle", ("class", "qualname", "attributes"))
+        for key in ("class", "qualname"):
+            if not isinstance(data[key], str):
+                raise _problem(f"{where}.{key}", f"must be a string, but is {json.dumps(data[key])}")
+        if not isinstance(data["attributes"], dict):
+            raise _problem(f"{where}.attributes", "must be an object")
+        cls = _style_class(data["qualname"])
+        attrs = {k: self.value(v, f"{where}.attributes.{k}") for k, v in data["attributes"].items()}
+        description = {k: v for k, v in data.items() if k != TYPE_KEY}
+        if cls is None:
+            return DescribedStyle(description)
+        hints = _style_attribute_hints(cls)
+        for name, value in attrs.items():
+            if name in hints:
+                problem = mismatch(value, hints[name], f"{where}.attributes.{name}")
+                if problem is not None:
+                    raise ValueError(f"plan_from_json: {problem}")
+        applied = applied_attributes(cls, attrs)
+        if applied:  # written by an fsdptx that kept what applying records: the same style
+            attrs = {k: v for k, v in attrs.items() if k not in applied}
+            description["attributes"] = {k: v for k, v in data["attributes"].items() if k not in applied}
+        if cls in _TORCH_STYLE_ATTRIBUTES and not set(attrs) <= set(hints):
+            return DescribedStyle(description)  # a torch version with other attributes
+        after = {k: attrs.pop(k) for k in (_SRC_DATA_RANK,) if k in attrs}
+        build = _BUILDERS.get(cls)
+        try:
+            style = build(attrs) if build is not None else cls(**attrs)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return DescribedStyle(description)  # a torch version with other attributes: keep the description
+        for name, value in after.items():
+            setattr(style, name, value)
+        rebuilt = describe_style(style)
+        rebuilt.pop(TYPE_KEY)
+        return style if rebuilt == description else DescribedStyle(description)
 
 
 def plan_from_json(text: str) -> Plan:
@@ -351,7 +457,10 @@ def plan_from_json(text: str) -> Plan:
     Torch's standard tensor-parallel styles (and fsdptx's own) are rebuilt
     from their description; any other style class is kept as a
     :class:`DescribedStyle`, and :func:`fsdptx.apply_plan` refuses such a
-    plan, naming the module, before changing anything.
+    plan, naming the module, before changing anything. Every field is
+    checked against what its record declares it holds, every special
+    object (dtype, placement, style) against its own form, before
+    anything is built.
 
     Args:
         text: the JSON text (a bare ``plan_to_json`` document).
@@ -361,8 +470,9 @@ def plan_from_json(text: str) -> Plan:
 
     Raises:
         TypeError: ``text`` is not a str.
-        ValueError: not JSON, another schema version, or a type or field
-            this fsdptx does not know (the message names where).
+        ValueError: not JSON, another schema version, a type or field
+            this fsdptx does not know, or a field holding the wrong kind of
+            value (the message names the field's path and what it must be).
 
     Example::
 
@@ -375,6 +485,8 @@ def plan_from_json(text: str) -> Plan:
         document = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"plan_from_json: not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("plan_from_json: the JSON is nested too deeply to be a plan") from None
     return plan_from_document(document)
 
 
@@ -382,13 +494,21 @@ def plan_from_document(document: Any) -> Plan:
     """:func:`plan_from_json` on already parsed JSON data."""
     if not isinstance(document, dict) or "schema" not in document or "plan" not in document:
         raise ValueError('plan_from_json: expected an object with "schema" and "plan" keys (from plan_to_json)')
-    if document["schema"] != SCHEMA_VERSION:
+    unknown = sorted(set(document) - {"schema", "plan"})
+    if unknown:
+        raise ValueError(f"plan_from_json: the document has keys {unknown} besides \"schema\" and \"plan\"; not a plan_to_json document")
+    schema = document["schema"]
+    if type(schema) is not int or schema != SCHEMA_VERSION:
         raise ValueError(
-            f"plan_from_json: schema {document['schema']!r} is not supported (this fsdptx reads schema "
+            f"plan_from_json: schema {json.dumps(schema)} is not supported (this fsdptx reads schema "
             f"{SCHEMA_VERSION}); use the fsdptx version that wrote the file"
         )
-    plan = _decode(document["plan"], "plan")
-    if not isinstance(plan, Plan):
-        raise ValueError(f"plan_from_json: the document holds a {type(plan).__name__}, not a Plan")
+    body = document["plan"]
+    if not isinstance(body, dict) or body.get(TYPE_KEY) != "Plan":
+        raise ValueError(f'plan_from_json: "plan" must be an object with "{TYPE_KEY}": "Plan" (from plan_to_json)')
+    try:
+        plan = _Reader().value(body, "plan")
+    except RecursionError:
+        raise ValueError("plan_from_json: the plan is nested too deeply to be one") from None
+    assert isinstance(plan, Plan)  # a "Plan" record builds a Plan
     return plan
-

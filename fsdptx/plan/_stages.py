@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from ..core._args import require_module
+from ..core._args import require_module, require_mp_policy, require_offload_policy
 from ..core._names import name_tokens
 from ..model._index import ModelIndex, PlanningError, discover_blocks, resolve_blocks
 from ..model._stages import PipelineParts, build_stage_module, pipeline_parts, stage_of
@@ -366,6 +366,15 @@ def plan_pipeline(
         raise ValueError(f"plan_pipeline: pp must be an int >= 1, got {pp!r}")
     if not callable(transform):
         raise TypeError(f"plan_pipeline: transform must be callable (model, Plan) -> Plan, got {type(transform).__name__}")
+    if blocks is not None:
+        blocks = name_tokens(blocks, "blocks", "plan_pipeline")
+    require_mp_policy(mp_policy, "mp_policy", "plan_pipeline")
+    require_offload_policy(offload_policy, "offload_policy", "plan_pipeline")
+    r = reshard_after_forward
+    if not (r is None or isinstance(r, bool) or (type(r) is int and r >= 1)):
+        raise TypeError(f"plan_pipeline: reshard_after_forward must be None, a bool or an int >= 1, got {r!r}")
+    if index is not None and (not isinstance(index, ModelIndex) or index.root is not model):
+        raise TypeError(f"plan_pipeline: index must be None or the ModelIndex of model, got {type(index).__name__}")
     idx = index if index is not None else ModelIndex.build(model)
     found = resolve_blocks(tuple(blocks), idx, "plan_pipeline") if blocks else discover_blocks(model, idx)
     parts = pipeline_parts(model, idx, found)

@@ -4,8 +4,9 @@ and the few helpers every layer reads them with.
 
 Like the Plan (:mod:`fsdptx.plan._plan`), every record names modules and
 parameters by FQN only, never by object, and is immutable and comparable.
-This module imports no other fsdptx module, so anything in fsdptx can import
-it without a cycle; rendering a Plan as text is :mod:`fsdptx.plan._format`.
+This module imports no other fsdptx module but :mod:`fsdptx.plan._style_data`
+(which imports none), so anything in fsdptx can import it without a cycle;
+rendering a Plan as text is :mod:`fsdptx.plan._format`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Literal, Protocol, TypeGuard
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from ._style_data import style_settings
 
 __all__ = [
     "Checkpointing",
@@ -130,19 +133,26 @@ class CrossBlockRequest:
     names: tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TPAssignment:
     """One module's tensor-parallel style, resolved from a pattern of the
     request to a concrete module FQN. ``style`` is the readable name the Plan
-    shows and compares; ``parallel_style`` is the torch object handed to
-    ``parallelize_module`` (torch styles define no equality, so it is not
-    part of the Plan's value).
+    shows; ``parallel_style`` is the torch object handed to
+    ``parallelize_module``. torch styles define no equality and the name
+    leaves settings out (``use_local_output``, desired layouts, ...), so
+    what compares and hashes beside module, name and pattern is
+    ``settings``: the style's class and every attribute (what applying a
+    style records on it, such as ``src_data_rank``, left out), derived the
+    first time it is read.
 
     Attributes:
         module: the module FQN the style applies to.
         style: the style's readable name (compared and printed).
         pattern: the request's glob that matched ``module``.
         parallel_style: the torch ``ParallelStyle`` object applied.
+        settings: the style as canonical JSON
+            (:func:`fsdptx.plan._style_data.style_settings`); derived, not
+            an argument.
 
     Example::
 
@@ -154,11 +164,35 @@ class TPAssignment:
     pattern: str
     parallel_style: ParallelStyle = field(compare=False, repr=False, hash=False)
 
+    @property
+    def settings(self) -> str:
+        """Derived on first use and kept: planning makes thousands of
+        assignments and compares none of them."""
+        found: str | None = self.__dict__.get("_settings")
+        if found is None:
+            found = style_settings(self.parallel_style)
+            object.__setattr__(self, "_settings", found)
+        return found
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TPAssignment):
+            return NotImplemented
+        return (self.module, self.style, self.pattern, self.settings) == (
+            other.module,
+            other.style,
+            other.pattern,
+            other.settings,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.module, self.style, self.pattern, self.settings))
+
 
 @dataclass(frozen=True)
 class StreamStep:
-    """One module on the residual stream, in forward order, as the
-    sequence-layout pass saw it: its role (``embedding``, ``block``,
+    """One module on the residual stream, as the sequence-layout pass saw
+    it (in the order it walks: blocks in forward order, a block's children
+    in registration order): its role (``embedding``, ``block``,
     ``norm``, ``region``, ``holder``, ``head``), the layout it receives and
     hands on (``whole``, ``Shard(1)``, ``Shard(-1) vocab``; ``DTensor`` when
     it is one), and the boundary the pass added there, if any."""
@@ -177,8 +211,10 @@ class TensorParallel:
     applied as a torch style (pattern, style, why): for example Hugging
     Face's ``replicated_with_grad_allreduce``, which becomes a TP-replica
     reduction mark instead. ``stream`` is the residual stream's layout at
-    each module, in forward order; ``loss_parallel`` whether the head keeps
-    its logits vocabulary-sharded.
+    each module, in the order the sequence-layout pass walks it (the
+    blocks in forward order, a block's children in registration order,
+    which its forward need not follow); ``loss_parallel`` whether the head
+    keeps its logits vocabulary-sharded.
 
     Attributes:
         assignments: one per module, in FQN order.
@@ -186,7 +222,8 @@ class TensorParallel:
         skipped: ``(pattern, style, why)`` of declared entries not applied
             as a torch style.
         loss_parallel: whether the head keeps its logits vocabulary-sharded.
-        stream: the residual stream's layout at each module, forward order.
+        stream: the residual stream's layout at each module, in the
+            pass's order (blocks forward, a block's children as registered).
 
     Example::
 
@@ -234,9 +271,16 @@ class ExpertParallel:
 class Checkpointing:
     """Activation checkpointing requested for ``modules`` (the blocks).
 
+    A forward that fills a KV cache cannot be recomputed, so applying
+    checkpointing turns the model's caches off; ``kv_cache_off`` lists the
+    switches that were on at planning, and applying refuses a model that
+    has one on the Plan does not list (it changed since planning).
+
     Attributes:
         mode: ``"full"`` or ``"selective"``.
         modules: the block FQNs checkpointed.
+        kv_cache_off: the ``use_cache`` switches applying turns off (paths
+            such as ``model.config.use_cache``).
 
     Example::
 
@@ -246,6 +290,7 @@ class Checkpointing:
 
     mode: CheckpointMode
     modules: tuple[str, ...]
+    kv_cache_off: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,17 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import chain, compress, islice, repeat
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from ..core._caches import caches_enabled
+from ..core._policy import policy_dtype_problems
 from ..model._unit_checks import refused_class
 from ..model._walk import _DTYPE_GRAD, _NDIM, ModelWalk, Signature, walk_model
-from ._types import Reduction
+from ._types import Reduction, UnitKind
 
 if TYPE_CHECKING:
     from ..model._index import ModelIndex
@@ -51,6 +53,14 @@ def settings_problems(i: int, unit: Unit) -> list[str]:
     problems: list[str] = []
     if unit.mp_policy is not None and not isinstance(unit.mp_policy, MixedPrecisionPolicy):
         problems.append(f"unit {i}: mp_policy {unit.mp_policy!r} is not a MixedPrecisionPolicy or None")
+    else:
+        problems.extend(policy_dtype_problems(unit.mp_policy, f"unit {i}"))
+    for name in ("storage_dtype", "compute_dtype"):
+        value = getattr(unit, name)
+        if value is not None and not isinstance(value, torch.dtype):
+            problems.append(f"unit {i}: {name} {value!r} is not a torch dtype or None")
+    if unit.kind not in get_args(UnitKind):
+        problems.append(f"unit {i}: kind {unit.kind!r} is not one of {', '.join(get_args(UnitKind))}")
     if unit.offload_policy is not None and not isinstance(unit.offload_policy, OffloadPolicy):
         problems.append(f"unit {i}: offload_policy {unit.offload_policy!r} is not an OffloadPolicy or None")
     if unit.mesh not in ("dp", "moe"):
@@ -108,7 +118,11 @@ def vouch(index: ModelIndex, units: tuple[Unit, ...]) -> Vouched | None:
         chain.from_iterable(positions)
     ):
         return None
-    settings = {(type(u.mp_policy), type(u.offload_policy), u.mesh, _hashable(u.reshard_after_forward)): u for u in units}
+    settings = {
+        (_hashable(u.mp_policy), type(u.offload_policy), u.mesh, _hashable(u.reshard_after_forward), u.kind)
+        + (u.storage_dtype, u.compute_dtype): u
+        for u in units
+    }
     if any(settings_problems(0, u) for u in settings.values()):
         return None
     return Vouched(walk.signature, units, positions)

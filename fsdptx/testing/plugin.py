@@ -1,7 +1,8 @@
 """pytest plugin (entry point ``fsdptx``): fixtures for downstream test suites.
 
 Installing fsdptx makes these fixtures available in any pytest run; torch is
-imported only when a fixture is used, so the plugin costs nothing otherwise.
+imported only when a fixture is used (neither this module nor the packages
+above it import it), so the plugin costs nothing otherwise.
 
 ``fsdptx_plan_snapshot(plan, name)`` compares a plan with the JSON file
 ``__plan_snapshots__/<name>.json`` next to the test module and fails with
@@ -77,12 +78,21 @@ def check_plan_snapshot(plan: Plan, path: Path, update: bool) -> None:
     text = plan_to_json(plan) + "\n"
     if update:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text() != text:
+        if not path.is_file() or path.read_bytes() != text.encode():
             path.write_text(text)
         return
     if not path.exists():
         pytest.fail(f"no plan snapshot {path}; run pytest {UPDATE_OPTION} to write it, then review and commit it")
-    diff = diff_plans(plan_from_json(path.read_text()), plan)
+    try:
+        stored = plan_from_json(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8 (a ValueError), not JSON, not a plan
+        pytest.fail(
+            f"the plan snapshot {path} cannot be read: {e}\n"
+            f"If the file is damaged, run pytest {UPDATE_OPTION} to rewrite it from the current plan, "
+            "then review the diff and commit it.",
+            pytrace=False,
+        )
+    diff = diff_plans(stored, plan)
     if diff:
         pytest.fail(
             f"the plan differs from its snapshot {path}:\n{diff}\n"

@@ -7,7 +7,13 @@ split inside every expert), the TP-replica marks
 from ._experts import EXPERT_PARAM_STYLES, EXPERTS_STYLE, ExpertsParallel
 from ._styles import STYLE_NAMES, ExpertsSequence, GatherSequence, ShardSequence, WholeSequence, describe_style
 from ._loss import loss_parallel
-from ._transform import check_tensor_parallel, declared_tp_plan, tensor_parallel, tp_styles_by_module
+from ._transform import (
+    check_tensor_parallel,
+    declared_tp_plan,
+    tensor_parallel,
+    tp_styles_by_module,
+    without_tensor_parallel,
+)
 
 __all__ = [
     "EXPERTS_STYLE",
@@ -24,4 +30,5 @@ __all__ = [
     "loss_parallel",
     "tensor_parallel",
     "tp_styles_by_module",
+    "without_tensor_parallel",
 ]

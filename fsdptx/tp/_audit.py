@@ -6,7 +6,8 @@ TP peers hold copies of every TP-replicated parameter (what
 ``dp_replicate`` peers hold copies of the same shards; a plain parameter is a
 copy on every data-parallel rank. A forgotten sync, a rank-dependent
 initialization or a bad checkpoint load lets them drift apart silently: the
-loss still goes down. The audit finds that in CI, or every N steps in a job.
+loss still goes down. The audit finds that in CI, or every N steps in a job
+(:mod:`fsdptx.tp._audit_every`).
 
 It is cheap when all is well: per group, one checksum per tensor (a
 position-weighted sum of the rank-local storage's bits), digested with the
@@ -29,7 +30,7 @@ anywhere in the mesh raises on every rank instead of leaving some waiting.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,14 +38,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.hooks import RemovableHandle
 
 from ..core._caches import process_memo
 from ..core._meshes import KNOWN_DIMS
 from .sync._context import _device, _TPContext
 from .sync._layout import _digest_bytes, _Layout, _layout
 
-__all__ = ["DP_DIMS", "Drift", "ReplicaAudit", "audit_replicas", "audit_replicas_every", "format_drift"]
+__all__ = ["DP_DIMS", "Drift", "ReplicaAudit", "audit_replicas", "check_arguments", "format_drift"]
 
 ModelParts = Sequence[nn.Module] | nn.Module
 # Mesh dims whose peers hold data-parallel copies: a tensor replicated along
@@ -128,19 +128,24 @@ def format_drift(drifted: Sequence[Drift]) -> str:
 # Arguments.
 
 
-def _tolerance(value: object, name: str) -> float:
+def _tolerance(value: object, name: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"audit_replicas: {name} must be a non-negative number, got {value!r}")
+        raise TypeError(f"{where}: {name} must be a non-negative number, got {value!r}")
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"audit_replicas: {name} must be finite and >= 0, got {value!r}")
+        raise ValueError(f"{where}: {name} must be finite and >= 0, got {value!r}")
     return float(value)
 
 
-def _check_arguments(
-    model_parts: object, device_mesh: object, atol: object, rtol: object, buffers: object, tp_axis_name: object
+def check_arguments(
+    model_parts: object,
+    device_mesh: object,
+    atol: object,
+    rtol: object,
+    buffers: object,
+    tp_axis_name: object,
+    where: str = "audit_replicas",
 ) -> tuple[list[nn.Module], DeviceMesh, float, float]:
     """Every argument, checked locally before any collective."""
-    where = "audit_replicas"
     if isinstance(model_parts, nn.Module):
         parts = [model_parts]
     elif isinstance(model_parts, Sequence) and not isinstance(model_parts, str) and all(
@@ -162,7 +167,7 @@ def _check_arguments(
         raise TypeError(f"{where}: tp_axis_name must be a str, got {tp_axis_name!r}")
     if not isinstance(buffers, bool):
         raise TypeError(f"{where}: buffers must be a bool, got {buffers!r}")
-    return parts, device_mesh, _tolerance(atol, "atol"), _tolerance(rtol, "rtol")
+    return parts, device_mesh, _tolerance(atol, "atol", where), _tolerance(rtol, "rtol", where)
 
 
 # ----------------------------------------------------------------------------
@@ -203,9 +208,10 @@ def _groups(
         ranks = tuple(dist.get_process_group_ranks(group))
         # The sync's replication test, with this dim's peers in the TP role.
         ctx = _TPContext(group, group.group_name, ranks, rank, device)
-        layout = _layout(
-            parts, ctx, 0, f"audit {name}", with_buffers=buffers, honour_exclusions=name == tp_axis_name
-        )
+        # One cached layout per dim and per choice of buffers, so audits
+        # with and without buffers each keep theirs.
+        op = f"audit {name}{' with buffers' if buffers else ''}"
+        layout = _layout(parts, ctx, 0, op, with_buffers=buffers, honour_exclusions=name == tp_axis_name)
         local = layout.placed_locals(layout.tensors)
         assert local is not None, "a valid layout's DTensors keep their placements"
         groups.append(_Group(name, group, ranks, layout, local))
@@ -466,7 +472,7 @@ def audit_replicas(
         if not audit.ok:
             print(audit)   # fqn, dim, ranks, max abs diff
     """
-    parts, mesh, atol, rtol = _check_arguments(model_parts, device_mesh, atol, rtol, buffers, tp_axis_name)
+    parts, mesh, atol, rtol = check_arguments(model_parts, device_mesh, atol, rtol, buffers, tp_axis_name)
     device = _device(mesh.device_type)
     groups = _groups(parts, mesh, buffers, tp_axis_name, device)
 
@@ -526,63 +532,3 @@ def audit_replicas(
     order = {n: i for i, n in enumerate(mesh.mesh_dim_names or ())}
     records.sort(key=lambda d: (order[d.mesh_dim], d.fqn, d.ranks))
     return ReplicaAudit(tuple(records), tuple(checked))
-
-
-def audit_replicas_every(
-    optimizer: torch.optim.Optimizer,
-    model_parts: ModelParts,
-    device_mesh: DeviceMesh,
-    every: int,
-    *,
-    on_drift: Callable[[ReplicaAudit], None] | None = None,
-    audit: Callable[..., ReplicaAudit] = audit_replicas,
-    **audit_kwargs: Any,
-) -> RemovableHandle:
-    """Audit the replicas after every ``every``-th ``optimizer.step()``.
-
-    A step post-hook on ``optimizer``: it runs on every rank at the same
-    step (each rank steps its optimizer once per update), so the audit's
-    collectives line up. By default a drift raises ``AssertionError`` with
-    the table (stop the job while the checkpoint before it is still good);
-    ``on_drift`` receives the audit instead (log it, count it).
-
-    Args:
-        optimizer: the optimizer whose steps are counted.
-        model_parts, device_mesh: as for :func:`audit_replicas`.
-        every: audit every this many steps (>= 1).
-        on_drift: called with a failed audit instead of raising.
-        audit: the audit function (injectable for tests).
-        **audit_kwargs: ``atol``, ``rtol``, ``buffers``, ``tp_axis_name``.
-
-    Returns:
-        The hook's handle; ``handle.remove()`` stops auditing.
-
-    Raises:
-        TypeError, ValueError: ``every`` is not a positive int or
-            ``optimizer`` is not an optimizer, at registration.
-
-    Example::
-
-        fsdptx.audit_replicas_every(opt, [model], mesh, every=100)
-    """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"audit_replicas_every: optimizer must be a torch Optimizer, got {type(optimizer).__name__}")
-    if isinstance(every, bool) or not isinstance(every, int):
-        raise TypeError(f"audit_replicas_every: every must be an int, got {every!r}")
-    if every < 1:
-        raise ValueError(f"audit_replicas_every: every must be >= 1, got {every}")
-    steps = [0]
-
-    def hook(_optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        steps[0] += 1
-        if steps[0] % every:
-            return
-        result = audit(model_parts, device_mesh, **audit_kwargs)
-        if result.ok:
-            return
-        if on_drift is None:
-            raise AssertionError(f"after optimizer step {steps[0]}: {result}")
-        on_drift(result)
-
-    return optimizer.register_step_post_hook(hook)
-

@@ -56,6 +56,7 @@ from ..model._index import ModelIndex, unwrap_checkpoint
 from ..model._gap import StageGap
 from ..model._stages import STAGE_ATTRIBUTE
 from ._experts import ExpertsParallel
+from ._stream import _holds_params, _inside, _stack_glob, _Stream
 from ._styles import (
     COLWISE_NAMES,
     ROWWISE_NAMES,
@@ -72,7 +73,7 @@ from ._styles import (
     style_layouts,
 )
 
-__all__ = ["LayoutResult", "StyleSpec", "input_embedding", "output_head", "output_head_module", "sequence_layout"]
+__all__ = ["LayoutResult", "StyleSpec", "sequence_layout"]
 
 StyleSpec = str | ParallelStyle
 Role = Literal["embedding", "module", "norm", "block", "region", "holder", "head"]
@@ -173,11 +174,25 @@ def sequence_layout(
     needs; see the module docstring. ``blocks`` are the model's blocks in
     order; ``sum_marked`` the modules the plan already marks ``sum``."""
     p = _Pass(index, declared, sum_marked, sequence_parallel, loss_parallel)
+    if sequence_parallel and "" in blocks:
+        p.problem(
+            "sequence_parallel=True, but blocks= names the root: the sequence shard would have to enter before "
+            "the embedding and leave after the head; name the repeated blocks instead (e.g. 'layers.*')"
+        )
+        return p.out
     stream = _Stream.of(model, index, declared, blocks, sequence_parallel)
     if sequence_parallel and not stream.blocks:
         p.problem(
             "sequence_parallel=True, but no blocks were found to run on the sequence shard; name them with "
             "FSDP2Config(blocks=...) or tensor_parallel(blocks=...), or declare _no_split_modules"
+        )
+    elif sequence_parallel and stream.left_out:
+        p.problem(
+            f"sequence_parallel=True, but the blocks leave out {preview(stream.left_out)} beside "
+            f"{preview(stream.blocks, 2)}: the sequence-layout pass would not cover them, so they would run "
+            "on the sequence shard with their TP styles reading it as the whole sequence and their norms' "
+            "gradients left partial; name every block of the stack in blocks= (a glob such as "
+            f"'{_stack_glob(stream.blocks)}', or the container itself)"
         )
     else:
         _walk(p, stream, model)
@@ -191,68 +206,6 @@ def sequence_layout(
             p.out.assignments[fqn] = TPAssignment(fqn, describe_style(spec), pattern, spec)
     p.out.problems.extend(experts_pairing_problems({f: a.parallel_style for f, a in p.out.assignments.items()}))
     return p.out
-
-
-@dataclass(frozen=True)
-class _Stream:
-    """The modules on the residual stream, in forward order."""
-
-    pre: tuple[str, ...]  # the backbone's modules before the stack (the embedding among them)
-    embedding: str | None
-    blocks: tuple[str, ...]
-    post: tuple[str, ...]  # the backbone's modules after the stack, the head excluded
-    head: str | None
-
-    @classmethod
-    def of(
-        cls,
-        model: nn.Module,
-        index: ModelIndex,
-        declared: Mapping[str, object],
-        blocks: tuple[str, ...],
-        sequence_parallel: bool,
-    ) -> _Stream:
-        head = output_head(model, index)
-        if head is not None and isinstance(index.modules.get(head), StageGap):
-            head = None  # a pipeline stage before the last: the head is another stage's
-        stacks: dict[str, list[str]] = {}
-        for b in blocks:
-            stacks.setdefault(b.rpartition(".")[0], []).append(b)
-        # The stack the plan parallelizes; under SP without TP in any block
-        # (a plan of embedding and head only), the largest one.
-        with_tp = [s for s, bs in stacks.items() if any(_inside(f, b) for b in bs for f in declared)]
-        chosen = with_tp or (sorted(stacks, key=lambda s: -len(stacks[s]))[:1] if sequence_parallel else [])
-        if not chosen:
-            return cls((), None, (), (), head)
-        container = max(chosen, key=lambda s: len(stacks[s]))
-        stack = tuple(stacks[container])
-        # The backbone holds the stack beside the modules before and after it;
-        # blocks registered on the root directly are their own stack.
-        backbone, _, leaf = container.rpartition(".") if container else ("", "", "")
-        owner = index.modules.get(backbone, model)
-        full = [f"{backbone}.{n}" if backbone else n for n, c in owner._modules.items() if c is not None]
-        if container:
-            first = last = full.index(container) if container in full else len(full)
-        else:
-            at = [i for i, f in enumerate(full) if f in stack]
-            first, last = (min(at), max(at)) if at else (len(full), len(full))
-        pre = tuple(f for f in full[:first] if _holds_params(index, f))
-        post = tuple(f for f in full[last + 1 :] if f != head and _holds_params(index, f))
-        return cls(pre, input_embedding(model, index, pre), stack, post, head)
-
-
-def _inside(fqn: str, module: str) -> bool:
-    return fqn == module or fqn.startswith(module + ".")
-
-
-def _holds_params(index: ModelIndex, fqn: str) -> bool:
-    """Whether the subtree of ``fqn`` holds any parameter (from the walk's slots)."""
-    module = index.modules.get(fqn)
-    if module is None:
-        return False
-    at = index.walk.position[id(module)]
-    first, end = index.subtree_slots(at)
-    return end > first
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -617,40 +570,3 @@ def _head(p: _Pass, head: str | None, cur: _Lay) -> None:
             "ColwiseParallel(output_layouts=Shard(-1), use_local_output=False), or drop its entry from the plan"
         )
     p.step(head, "head", cur, gives, added)
-
-
-def output_head(model: nn.Module, index: ModelIndex) -> str | None:
-    """The FQN of the output head (see :func:`output_head_module`)."""
-    head = output_head_module(model, index.modules)
-    return None if head is None else index.fqn_of_module.get(id(head))
-
-
-def _declared_module(model: nn.Module, getter: str) -> nn.Module | None:
-    """What a Hugging Face model's ``get_output_embeddings`` /
-    ``get_input_embeddings`` returns; ``None`` where it has no such method or
-    its method declines."""
-    fn = getattr(model, getter, None)
-    if not callable(fn):
-        return None
-    try:
-        found = fn()
-    except (NotImplementedError, AttributeError):
-        return None
-    return found if isinstance(found, nn.Module) else None
-
-
-def output_head_module(model: nn.Module, modules: Mapping[str, nn.Module]) -> nn.Module | None:
-    """The output head: what a Hugging Face model's ``get_output_embeddings``
-    returns, else a root ``lm_head`` or ``output`` Linear (torchtitan's name)."""
-    found = _declared_module(model, "get_output_embeddings")
-    if found is not None:
-        return found
-    return next((m for name in ("lm_head", "output") if isinstance(m := modules.get(name), nn.Linear)), None)
-
-
-def input_embedding(model: nn.Module, index: ModelIndex, pre: tuple[str, ...]) -> str | None:
-    """The module the sequence enters through: ``get_input_embeddings()``
-    where the model has it, else the first ``nn.Embedding`` before the stack."""
-    found = _declared_module(model, "get_input_embeddings")
-    fqn = index.fqn_of_module.get(id(found)) if found is not None else None
-    return fqn if fqn is not None else next((f for f in pre if isinstance(index.modules[f], nn.Embedding)), None)

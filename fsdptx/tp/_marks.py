@@ -48,8 +48,10 @@ def _set(module: nn.Module, attr: str, value: object) -> None:
 
 
 def check_reduction(reduction: object, where: str) -> Reduction:
+    if not isinstance(reduction, str):
+        raise TypeError(f"{where}: reduction must be one of {REDUCTIONS}, got {type(reduction).__name__} {reduction!r}")
     if reduction not in REDUCTIONS:
-        raise ValueError(f"{where}: unknown TP-replica reduction {reduction!r}; use one of {REDUCTIONS}")
+        raise ValueError(f"{where}: reduction {reduction!r} is not a TP-replica reduction; use one of {REDUCTIONS}")
     return reduction
 
 
@@ -66,7 +68,8 @@ def mark_tp_replica_gradient_reduction(module: nn.Module, reduction: Reduction) 
         reduction: ``"mean"`` or ``"sum"``.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
+        TypeError: ``module`` is not an ``nn.Module``, or ``reduction``
+            not a str.
         ValueError: ``reduction`` is neither ``"mean"`` nor ``"sum"``.
 
     Example::
@@ -75,7 +78,7 @@ def mark_tp_replica_gradient_reduction(module: nn.Module, reduction: Reduction) 
             fsdptx.mark_tp_replica_gradient_reduction(block.router, "sum")
     """
     require_module(module, "module", "mark_tp_replica_gradient_reduction")
-    check_reduction(reduction, f"mark_tp_replica_gradient_reduction({type(module).__name__})")
+    check_reduction(reduction, "mark_tp_replica_gradient_reduction")
     mark_parameter_reductions(
         module, {name: reduction for name, p in module._parameters.items() if p is not None}
     )

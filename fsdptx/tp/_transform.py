@@ -17,18 +17,20 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from ..core._globs import segment_match
 from ..model._stages import STAGE_ATTRIBUTE
-from ..core._names import Names
-from ..model._index import ModelIndex, PlanningError
+from ..core._args import require_bool
+from ..core._names import Names, name_tokens
+from ..model._index import ModelIndex, PlanningError, empty_containers_note
 from ..plan._kinds import unit_blind
-from ..plan._compose import model_index
+from ..plan._compose import check_transform_args, model_index
 from ..plan.transforms import block_fqns
 from ..plan._plan import Plan
 from ..plan._types import Reduction, TensorParallel, TPAssignment, preview
 from ._experts import EXPERT_PARAM_STYLES, EXPERTS_STYLE, ExpertsParallel, expert_split_dim
-from ._layout import StyleSpec, output_head_module, sequence_layout
+from ._layout import StyleSpec, sequence_layout
+from ._stream import output_head_module
 from ._styles import REPLICA_SUM_STYLES, STYLE_NAMES, UNSUPPORTED_STYLES, describe_style, experts_pairing_problems
 
-__all__ = ["check_tensor_parallel", "declared_tp_plan", "segment_match", "tensor_parallel"]
+__all__ = ["check_tensor_parallel", "declared_tp_plan", "segment_match", "tensor_parallel", "without_tensor_parallel"]
 
 def declared_tp_plan(model: nn.Module) -> dict[str, StyleSpec]:
     """The TP plan the model declares: ``_tp_plan`` (module-root-relative
@@ -72,9 +74,12 @@ def tensor_parallel(
     must match a module; a declared plan's entries that match no module or
     name a style fsdptx does not apply are skipped, and the Plan shows them
     (with a warning on its first lines where modules keep whole weights). A module may be
-    matched by one glob only. An empty plan is valid: every parameter is
-    then a replica on each TP rank, kept equal by
-    :func:`fsdptx.synchronize_tp_replica_gradients`.
+    matched by one glob only. An empty plan is valid without sequence
+    parallelism: every parameter is then a replica on each TP rank, kept
+    equal by :func:`fsdptx.synchronize_tp_replica_gradients`. With
+    ``sequence_parallel=True`` a plan that splits no module (empty, or only
+    ``sequence_parallel`` norms) is refused: the sequence would be sliced
+    only to be gathered back, with nothing tensor-parallel.
 
     Layouts come from the sequence-layout pass (:mod:`fsdptx.tp._layout`):
     a style name is built for the layout its position on the residual
@@ -111,13 +116,21 @@ def tensor_parallel(
     Raises:
         TypeError: a key is not a str or a value not a style.
         PlanningError: a glob matches no module, a module is matched twice,
-            a style name is unknown, or the layouts disagree.
+            a style name is unknown, the layouts disagree, or
+            ``sequence_parallel=True`` with a plan that splits no module.
 
     Example::
 
         sp = functools.partial(fsdptx.tensor_parallel, sequence_parallel=True)
         print(fsdptx.plan(model, sp))   # the stream's layout at each module
     """
+    where = "tensor_parallel"
+    check_transform_args(model, current, where, "current")
+    if plan is not None and not isinstance(plan, Mapping):
+        raise TypeError(f"{where}: plan must be a mapping of module glob -> style, or None, got {type(plan).__name__}")
+    require_bool(sequence_parallel, "sequence_parallel", where)
+    require_bool(loss_parallel, "loss_parallel", where)
+    moe_mesh_experts = name_tokens(moe_mesh_experts, "moe_mesh_experts", where)
     index = model_index(model, current)
     explicit = plan is not None
     declared = dict(plan) if plan is not None else declared_tp_plan(model)
@@ -183,11 +196,18 @@ def tensor_parallel(
         resolved[fqn] = (pattern, style)
     if problems:
         raise PlanningError("tensor_parallel: the TP plan does not fit the model:\n  - " + "\n  - ".join(problems))
+    targets = block_fqns(blocks, index, "tensor_parallel")
+    if sequence_parallel and not targets:
+        raise PlanningError(
+            f"tensor_parallel: sequence_parallel=True, but no blocks were found in {type(model).__name__} to "
+            f"run on the sequence shard{empty_containers_note(index)}; name them with FSDP2Config(blocks=...) "
+            "or tensor_parallel(blocks=...), or declare _no_split_modules"
+        )
     layout = sequence_layout(
         model,
         index,
         resolved,
-        block_fqns(blocks, index, "tensor_parallel"),
+        targets,
         sum_marked=sum_modules,
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
@@ -197,6 +217,19 @@ def tensor_parallel(
     if layout.problems:
         raise PlanningError(
             "tensor_parallel: the TP plan's sequence layouts disagree:\n  - " + "\n  - ".join(layout.problems)
+        )
+    if sequence_parallel and not any(not _only_sequence_parallel(spec) for _pattern, spec in resolved.values()):
+        if explicit:
+            given = f"tp_plan={dict(declared)!r}"
+        elif declared:
+            given = f"none of the entries {type(model).__name__} declares is one fsdptx applies: {sorted(declared)!r}"
+        else:
+            given = f"{type(model).__name__} declares no TP plan"
+        raise PlanningError(
+            f"tensor_parallel: sequence_parallel=True, but the TP plan splits no module over the TP ranks "
+            f"({given}): the sequence would be sliced only to be gathered back around every sublayer, "
+            "with nothing tensor-parallel; give TP styles (tp_plan=, or the model's declared plan), "
+            "or set sequence_parallel=False"
         )
     assigned = layout.assignments
     tp = TensorParallel(
@@ -208,6 +241,51 @@ def tensor_parallel(
     )
     new_warnings = tuple(w for w in dict.fromkeys(warnings) if w not in current.warnings)
     return current.replace(tensor_parallel=tp, reductions=reductions, warnings=current.warnings + new_warnings)
+
+
+@unit_blind
+def without_tensor_parallel(
+    model: nn.Module, current: Plan, /, *, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> Plan:
+    """What a pipeline plans in place of :func:`tensor_parallel` on a mesh
+    without a ``tp`` dim of size > 1: no TP, and a warning on the Plan's
+    first lines for each option that needs TP and so has no effect.
+
+    Not an error: every rank then runs the whole sequence and computes the
+    whole logits, which is correct (a loss computed under
+    :func:`fsdptx.loss_parallel` on plain logits is the ordinary one), and
+    one config may serve meshes with and without TP. But a reader who asked
+    for sequence or loss parallelism must see that they got neither.
+
+    Args:
+        model: the model, only read (unused).
+        current: the Plan so far (positional only: the transform protocol).
+        sequence_parallel: whether sequence parallelism was asked for.
+        loss_parallel: whether loss parallelism was asked for.
+
+    Returns:
+        ``current`` with the warnings added (once each).
+    """
+    del model
+    found = []
+    if sequence_parallel:
+        found.append(
+            "sequence_parallel=True has no effect: the mesh has no tp dim of size > 1, so every rank runs the "
+            "whole sequence (add a tp dim, or drop the option)"
+        )
+    if loss_parallel:
+        found.append(
+            "loss_parallel=True has no effect: the mesh has no tp dim of size > 1, so the logits stay whole plain "
+            "tensors (a loss under fsdptx.loss_parallel() is the ordinary one; add a tp dim, or drop the option)"
+        )
+    new = tuple(w for w in found if w not in current.warnings)
+    return current.replace(warnings=current.warnings + new) if new else current
+
+
+def _only_sequence_parallel(spec: StyleSpec) -> bool:
+    """Whether a style only runs a norm on the sequence shard (it splits no
+    weight over the TP ranks)."""
+    return spec == "sequence_parallel" or isinstance(spec, SequenceParallel)
 
 
 def _expert_styles(

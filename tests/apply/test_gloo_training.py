@@ -210,7 +210,7 @@ def test_dtype_sharded_training_on_two_gloo_ranks_matches_single_process_referen
     assert ("root", ("",), torch.float32) in layout
     assert {d for _k, _m, d in layout} == {torch.float32, torch.float64}
 
-    results = run_distributed(_train_sharded_worker, WORLD_SIZE, timeout_s=90.0, collective_timeout_s=30.0)
+    results = run_distributed(_train_sharded_worker, WORLD_SIZE, timeout_s=300.0, collective_timeout_s=30.0)
     ref_losses, ref_params = _train_reference()
 
     for rank, r in enumerate(results):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -220,6 +220,32 @@ def test_across_blocks_looks_through_checkpoint_wrappers() -> None:
     prim = RecordingPrimitive()
     fsdptx.fully_shard_across_blocks(wrapped, ["attn.sinks"], MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
     assert prim.targets() == [[b.attn.sinks for b in blocks]]
+
+
+@pytest.mark.parametrize(
+    "hold",
+    [
+        lambda layers: layers,
+        lambda layers: nn.ModuleDict({str(i): b for i, b in enumerate(layers)}),
+        lambda layers: tuple(layers),
+        lambda layers: (b for b in layers),
+    ],
+    ids=["ModuleList", "ModuleDict", "tuple", "generator"],
+)
+def test_across_blocks_takes_the_blocks_as_the_model_holds_them(hold: Callable[[nn.ModuleList], object]) -> None:
+    model = make_decoder(3)
+    prim = RecordingPrimitive()
+    owned = fsdptx.fully_shard_across_blocks(hold(model.layers), ["attn.sinks"], MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
+    assert prim.targets() == [[b.attn.sinks for b in model.layers]]
+    assert {id(p) for p in owned} == {id(b.attn.sinks.weight) for b in model.layers}
+
+
+@pytest.mark.parametrize("blocks", [Block(), "layers"], ids=["one-block", "str"])
+def test_across_blocks_refuses_what_is_not_an_iterable_of_blocks(blocks: object) -> None:
+    prim = RecordingPrimitive()
+    with pytest.raises(TypeError, match=r"fully_shard_across_blocks: blocks must be an iterable of the blocks.*got"):
+        fsdptx.fully_shard_across_blocks(blocks, ["attn.sinks"], MESH, None, None, shard_module=prim)  # type: ignore[arg-type]
+    assert prim.calls == []
 
 
 def test_across_blocks_does_not_reparent_the_blocks() -> None:
@@ -580,7 +606,7 @@ def test_a_call_with_another_mixed_precision_policy_is_planned(
 def test_an_offload_policy_that_is_no_policy_is_refused_as_without_the_memo(no_earlier_calls: None) -> None:
     model = make_decoder(2)
     by_dtype(model.layers[0], BF16_POLICY)
-    with pytest.raises(fsdptx.PlanMismatchError, match="offload_policy <class .*CPUOffloadPolicy.*> is not an OffloadPolicy"):
+    with pytest.raises(TypeError, match="fully_shard_by_dtype: offload_policy must be an OffloadPolicy or None, got <class .*CPUOffloadPolicy"):
         fsdptx.fully_shard_by_dtype(
             model.layers[1], MESH, BF16_POLICY, CPUOffloadPolicy, shard_module=RecordingPrimitive()  # type: ignore[arg-type]
         )
@@ -601,19 +627,18 @@ def test_remembered_units_carry_this_calls_offload_policy_object(
     assert prim.calls and all(kw["offload_policy"] is second for _m, kw in prim.calls)
 
 
-def test_remembered_units_carry_this_calls_reshard_value(
+def test_an_invalid_reshard_value_is_refused_as_given_before_planning(
     no_earlier_calls: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``0.0 == -0.0``: planning hands every unit the value the call gave,
-    and so does the memo, so an invalid value is refused as given."""
+    """``0.0 == -0.0``: each call is refused naming its own value, at the
+    call, so no memo of an earlier call can stand in for it."""
     model = make_decoder(2)
     planned = _planned_in_full(monkeypatch)
-    with pytest.raises(fsdptx.PlanMismatchError, match=r"reshard_after_forward=0\.0 is not"):
+    with pytest.raises(ValueError, match=r"fully_shard_by_dtype: reshard_after_forward must be .*got 0\.0"):
         _shard(model.layers[0], reshard=0.0)
-    with pytest.raises(fsdptx.PlanMismatchError, match=r"reshard_after_forward=-0\.0 is not") as info:
+    with pytest.raises(ValueError, match=r"fully_shard_by_dtype: reshard_after_forward must be .*got -0\.0"):
         _shard(model.layers[1], reshard=-0.0)
-    assert planned == [model.layers[0]]  # the second call came from the memo
-    assert "reshard_after_forward=0.0" not in str(info.value)
+    assert planned == []
 
 
 class _Stack(nn.ModuleList):

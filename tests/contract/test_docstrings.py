@@ -4,9 +4,10 @@ Every public callable of ``fsdptx`` and ``fsdptx.testing`` has a Google-style
 docstring: ``Args:`` when it takes parameters, ``Returns:`` (or ``Yields:``)
 when it returns something, ``Raises:`` when its own body raises, and an
 ``Example:`` always. A class documents its fields or constructor arguments
-(``Attributes:`` or ``Args:``) and shows an example. ``fsdptx/__init__.py``
+(``Attributes:`` or ``Args:``) and shows an example. ``fsdptx/_contract.py``
 is the contract and nothing else: re-exports grouped by section, sorted
-within each, and ``__all__`` listing exactly them in the same sections.
+within each, and ``__all__`` listing exactly them in the same sections;
+``fsdptx/__init__.py`` only loads it on first use.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import fsdptx
 import fsdptx.testing
 
 INIT = Path(fsdptx.__file__)
+CONTRACT = INIT.with_name("_contract.py")
 
 
 def _public() -> dict[str, Any]:
@@ -100,10 +102,10 @@ def test_every_documented_argument_exists(name: str) -> None:
 
 def _init_sections() -> tuple[list[list[ast.ImportFrom]], list[list[str]]]:
     """Re-exports per section, and ``__all__`` names per section, as
-    ``fsdptx/__init__.py`` writes them (a section starts at a comment)."""
-    tree = ast.parse(INIT.read_text())
+    ``fsdptx/_contract.py`` writes them (a section starts at a comment)."""
+    tree = ast.parse(CONTRACT.read_text())
     imports: list[list[ast.ImportFrom]] = []
-    lines = INIT.read_text().splitlines()
+    lines = CONTRACT.read_text().splitlines()
     last_comment = -1
     for node in tree.body:
         if isinstance(node, ast.ImportFrom):
@@ -123,14 +125,23 @@ def _init_sections() -> tuple[list[list[ast.ImportFrom]], list[list[str]]]:
     return imports, listed
 
 
-def test_init_holds_the_contract_and_nothing_else() -> None:
-    tree = ast.parse(INIT.read_text())
-    body = tree.body
+def test_the_contract_module_holds_re_exports_and_all_and_nothing_else() -> None:
+    body = ast.parse(CONTRACT.read_text()).body
     assert isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)  # the docstring
     for node in body[1:]:
         is_import = isinstance(node, ast.ImportFrom) and node.level == 1
         is_all = isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["__all__"]
-        assert is_import or is_all, f"fsdptx/__init__.py:{node.lineno} is neither a re-export nor __all__"
+        assert is_import or is_all, f"fsdptx/_contract.py:{node.lineno} is neither a re-export nor __all__"
+
+
+def test_init_defines_no_public_name_of_its_own() -> None:
+    """``fsdptx/__init__.py`` holds only the loader: every public name
+    ``fsdptx`` has comes from ``_contract``."""
+    body = ast.parse(INIT.read_text()).body
+    defined = {
+        t.id for node in body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
+    } | {node.name for node in body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    assert {n for n in defined if not n.startswith("_")} == set(), defined
 
 
 def test_init_sections_are_sorted_and_all_lists_them_in_the_same_sections() -> None:

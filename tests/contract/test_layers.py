@@ -39,6 +39,8 @@ def layer_of(module: str) -> str:
     if len(parts) == 1:
         return "contract"
     top = parts[1]
+    if top == "_contract":  # the contract's names, which fsdptx/__init__.py loads on first use
+        return "contract"
     if top == "__main__":
         return "cli"
     if top == "presets":

@@ -32,6 +32,7 @@ TORCH_PRIVATE_ATTRIBUTES = frozenset(
         "_local_tensor",
         "_get_fsdp_state",
         "_fsdp_param_groups",
+        "_is_root",
         "_unsharded_param",
         "_micro_pipeline_tp",
         "_op_dispatcher",
@@ -54,8 +55,8 @@ TORCH_PRIVATE_ATTRIBUTES = frozenset(
 
 # (file, private name) -> why it is used there rather than through the file.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("fsdptx/cli/_memory.py", "_mod_tracker"): "the trace's FSDPMemTracker subclass reads its base's module tracker",
-    ("fsdptx/cli/_memory.py", "_update_peak_stats"): "the trace's FSDPMemTracker subclass overrides its base's hook",
+    ("fsdptx/cli/_trace.py", "_mod_tracker"): "the trace's FSDPMemTracker subclass reads its base's module tracker",
+    ("fsdptx/cli/_trace.py", "_update_peak_stats"): "the trace's FSDPMemTracker subclass overrides its base's hook",
 }
 
 

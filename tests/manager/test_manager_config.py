@@ -7,6 +7,7 @@ is created, and the message must say which field is wrong.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -83,6 +84,43 @@ _WRONG_TYPES: dict[str, tuple[str, object, type[Exception]]] = {
 def test_wrong_types_are_rejected_naming_the_field(case: str) -> None:
     field, value, error = _WRONG_TYPES[case]
     with pytest.raises(error, match=f"FSDP2Config.{field}"):
+        FSDP2Config(**{field: value})
+
+
+class _Wrong:
+    """A value no field takes."""
+
+    def __repr__(self) -> str:
+        return "<wrong>"
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(FSDP2Config)])
+def test_every_field_refuses_a_value_of_the_wrong_type_naming_the_field(field: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=rf"^FSDP2Config\.{field}\b"):
+        FSDP2Config(**{field: _Wrong()})
+
+
+_SCALARS = [f.name for f in dataclasses.fields(FSDP2Config) if type(f.default) in (bool, int)]
+
+
+@pytest.mark.parametrize("field", _SCALARS)
+@pytest.mark.parametrize("text", ["True", "1", ""])
+def test_a_string_where_a_bool_or_int_belongs_is_refused_naming_the_field(field: str, text: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=rf"^FSDP2Config\.{field}\b"):
+        FSDP2Config(**{field: text})
+
+
+@pytest.mark.parametrize("field", ["expert_modules", "cross_block_modules", "blocks"])
+@pytest.mark.parametrize("value", [True, 1, 2.0, ("layers.*", False)], ids=["bool", "int", "float", "bool-entry"])
+def test_name_fields_refuse_a_bool_or_number_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(TypeError, match=rf"^FSDP2Config\.{field} must"):
+        FSDP2Config(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["expert_modules", "cross_block_modules", "blocks"])
+@pytest.mark.parametrize("value", ["", ("layers.*", "")], ids=["bare", "entry"])
+def test_name_fields_refuse_an_empty_name(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^FSDP2Config\.{field} holds an empty name"):
         FSDP2Config(**{field: value})
 
 

@@ -594,8 +594,15 @@ def test_selective_checkpointing_replays_fewer_matmuls_than_full() -> None:
 
 
 def test_settings_that_need_a_tp_dim_say_so_when_the_mesh_has_none(caplog: pytest.LogCaptureFixture) -> None:
-    config = FSDP2Config(sequence_parallel=True, tp_plan={"lm_head": "colwise_rep"})
+    """Sequence and loss parallelism without a tp dim are warnings on the
+    Plan's first lines (the manager logs them when it parallelizes); the
+    plan is otherwise the one without them."""
+    config = FSDP2Config(sequence_parallel=True, loss_parallel=True, tp_plan={"lm_head": "colwise_rep"})
     with caplog.at_level("INFO", logger="fsdptx.manager"), fake_mesh((2,), ("dp",)) as mesh:
-        FSDP2Manager(config, mesh)
-    assert "sequence_parallel has no effect" in caplog.text
+        planned = FSDP2Manager(config, mesh).plan(_decoder())
+        plain = FSDP2Manager(FSDP2Config(), mesh).plan(_decoder())
     assert "tp_plan is not applied" in caplog.text
+    assert [w.partition(" has no effect")[0] for w in planned.warnings] == ["sequence_parallel=True", "loss_parallel=True"]
+    assert str(planned).startswith("warning: sequence_parallel=True has no effect: the mesh has no tp dim")
+    assert planned.tensor_parallel is None
+    assert planned.replace(warnings=()) == plain

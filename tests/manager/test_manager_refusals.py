@@ -135,16 +135,43 @@ def test_maybe_compile_names_the_argument_of_the_wrong_type(bad: object) -> None
 
 
 def test_async_tensor_parallel_switch_is_restored(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)
-    compiled: list[str] = []
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(type(self).__name__))
+    # Not monkeypatch.setattr: undoing it on inductor's config module deletes the entry.
+    saved = inductor_config._micro_pipeline_tp  # type: ignore[attr-defined]
+    inductor_config._micro_pipeline_tp = False  # type: ignore[attr-defined]
+    try:
+        compiled: list[str] = []
+        monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(type(self).__name__))
+        with fake_mesh((1, 2), ("dp", "tp")) as mesh:
+            manager = FSDP2Manager(FSDP2Config(sequence_parallel=True, enable_async_tensor_parallel=True), mesh)
+            manager.maybe_compile(small())
+            assert inductor_config._micro_pipeline_tp is True  # type: ignore[attr-defined]
+            manager.restore_async_tensor_parallel()
+        assert inductor_config._micro_pipeline_tp is False  # type: ignore[attr-defined]
+        assert compiled == ["Block", "Block"]
+    finally:
+        inductor_config._micro_pipeline_tp = saved  # type: ignore[attr-defined]
+
+
+def test_async_tensor_parallel_with_compile_leaves_no_compiler_setting_changed_once_restored() -> None:
+    import torch._dynamo.config as dynamo_config
+
+    inductor_before = inductor_config.get_config_copy()  # type: ignore[attr-defined]
+    dynamo_before = dynamo_config.get_config_copy()  # type: ignore[attr-defined]
+    model = small()
     with fake_mesh((1, 2), ("dp", "tp")) as mesh:
-        manager = FSDP2Manager(FSDP2Config(sequence_parallel=True, enable_async_tensor_parallel=True), mesh)
-        manager.maybe_compile(small())
+        config = FSDP2Config(
+            sequence_parallel=True, enable_async_tensor_parallel=True, enable_compile=True, mp_policy=None
+        )
+        manager = FSDP2Manager(config, mesh)
+        manager.parallelize(model)
+        manager.maybe_compile(model)
+        manager.maybe_compile(model)  # twice: each call's switch is put back
         assert inductor_config._micro_pipeline_tp is True  # type: ignore[attr-defined]
         manager.restore_async_tensor_parallel()
-    assert inductor_config._micro_pipeline_tp is False  # type: ignore[attr-defined]
-    assert compiled == ["Block", "Block"]
+    assert all(b._compiled_call_impl is not None for b in model.layers)
+    changed = {k for k, v in inductor_config.get_config_copy().items() if inductor_before.get(k) != v}  # type: ignore[attr-defined]
+    assert changed == set()
+    assert dynamo_config.get_config_copy() == dynamo_before  # type: ignore[attr-defined]
 
 
 def test_patch_is_packed_sequence_returns_false_without_the_function(monkeypatch: pytest.MonkeyPatch) -> None:

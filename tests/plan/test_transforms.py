@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import pickle
+import re
 from collections.abc import Iterable
 
 import pytest
@@ -21,6 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdptx
 from fsdptx import Plan, PlanningError, Unit
+from fsdptx.core._names import join_names
 from fsdptx.presets import Decoder, DecoderConfig
 
 BF16_POLICY = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
@@ -462,6 +464,20 @@ def test_str_plan_has_one_row_per_unit_with_storage_to_compute() -> None:
     assert "layers.{0..1}.attn.sinks" in rows[0] and "float32->float32" in rows[0]
     assert "layers.0.gate" in rows[1] and "float32->bfloat16" in rows[1]
     assert "<root>" in rows[-1] and "bfloat16->bfloat16" in rows[-1]
+
+
+def test_str_of_a_composed_plan_names_every_unit_by_its_modules_in_order() -> None:
+    p = fsdptx.plan(
+        master_weights(make_decoder(6), "gate.proj.weight"), fsdptx.compose(*PIPELINE_PARTS), mp_policy=BF16_POLICY
+    )
+    lines = str(p).splitlines()
+    header = next(i for i, line in enumerate(lines) if re.match(r"#\s+kind\s+modules", line))
+    cells = [re.split(r"\s{2,}", line) for line in lines[header + 2 : header + 2 + len(p.units)]]
+    assert [c[0] for c in cells] == [str(i) for i in range(len(p.units))]
+    assert [(c[1], c[2]) for c in cells] == [(u.kind, join_names(u.modules)) for u in p.units]
+    # Only a unit that spans blocks collapses its names; each block keeps its own row.
+    assert [c[2] for c in cells if c[1] == "block"] == [f"layers.{i}" for i in range(6)]
+    assert lines[header + 2 + len(p.units)].startswith(f"{len(p.units)} units, ")
 
 
 def test_model_on_meta_device_plans_like_the_real_model() -> None:

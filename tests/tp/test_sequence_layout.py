@@ -160,7 +160,7 @@ def test_deepseek_v3_moe_with_a_tp_shared_expert_runs_whole_with_its_projections
 
 def test_str_plan_shows_the_stream_layout_at_each_boundary() -> None:
     text = str(fsdptx.plan(_decoder(), functools.partial(fsdptx.tensor_parallel, sequence_parallel=True)))
-    assert "stream (forward order)" in text
+    assert "stream (blocks in forward order, a block's children in registration order)" in text
     assert "embed_tokens             embedding: token ids -> Shard(1) DTensor" in text
     assert "layers.0                 block: Shard(1) DTensor -> Shard(1)  [takes the local Shard(1)]" in text
     assert "layers.{0..1}.attn       region: Shard(1) -> Shard(1)  [all-gather in as a Replicate DTensor]" in text
@@ -175,6 +175,27 @@ def test_loss_parallel_keeps_the_heads_logits_vocabulary_sharded_and_says_so() -
     head = {a.module: a.parallel_style for a in p.tensor_parallel.assignments}["lm_head"]
     assert head.output_layouts == (Shard(-1),) and not head.use_local_output  # type: ignore[attr-defined]
     assert "compute the loss under fsdptx.loss_parallel()" in str(p)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_loss_parallel_splits_a_head_the_plan_leaves_out_and_says_so(sequence_parallel: bool) -> None:
+    model = _decoder()
+    plan = {k: v for k, v in model._tp_plan.items() if k != "lm_head"}
+    p = fsdptx.plan(
+        model,
+        functools.partial(fsdptx.tensor_parallel, plan=plan, sequence_parallel=sequence_parallel, loss_parallel=True),
+    )
+    assert p.tensor_parallel is not None
+    head = {a.module: a for a in p.tensor_parallel.assignments}["lm_head"]
+    assert head.style == "colwise (loss parallel)"
+    assert head.parallel_style.output_layouts == (Shard(-1),) and not head.parallel_style.use_local_output  # type: ignore[attr-defined]
+    assert "-> Shard(-1) vocab DTensor  [colwise: vocabulary-sharded logits]" in str(p)
+
+
+def test_loss_parallel_without_an_output_head_is_refused() -> None:
+    backbone = hf_zoo.llama("meta").model
+    with pytest.raises(PlanningError, match=r"loss_parallel=True needs an output head"):
+        fsdptx.plan(backbone, functools.partial(fsdptx.tensor_parallel, loss_parallel=True))
 
 
 # ------------------------------------------------------------------- blocks
@@ -234,6 +255,97 @@ def test_checkpointing_and_sequence_parallelism_without_blocks_are_refused_namin
         fsdptx.plan(NoBlocks(), fsdptx.checkpoint_activations)
     with pytest.raises(PlanningError, match=r"no blocks were found.*FSDP2Config\(blocks=\.\.\.\)"):
         fsdptx.plan(NoBlocks(), functools.partial(fsdptx.tensor_parallel, sequence_parallel=True))
+
+
+def _decoder3() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(DecoderConfig(vocab=64, dim=32, hidden=64, layers=3))
+
+
+class _RootBlocks(nn.Module):
+    """A decoder whose blocks hang off the root directly (no container)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inner = _decoder3()
+        self.embed_tokens = inner.embed_tokens
+        for i, block in enumerate(inner.layers):
+            self.add_module(f"block{i}", block)
+        self.norm, self.lm_head = inner.norm, inner.lm_head
+        self._tp_plan = {
+            k.replace("layers.*", f"block{i}"): v for k, v in inner._tp_plan.items() for i in range(3)
+        }
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(tokens)
+        for i in range(3):
+            h = self.get_submodule(f"block{i}")(h)
+        out: torch.Tensor = self.lm_head(self.norm(h))
+        return out
+
+
+@pytest.mark.parametrize(
+    ("build", "blocks", "left_out"),
+    [
+        (_decoder3, ("layers.0",), r"'layers\.1', 'layers\.2'"),
+        (_decoder3, ("layers.0", "layers.1"), r"'layers\.2'"),
+        (_titan, ("layers.0",), r"'layers\.1'"),  # a ModuleDict
+        (_RootBlocks, ("block0", "block2"), r"'block1'"),  # between named blocks
+        (_RootBlocks, ("block0", "block1"), r"'block2'"),  # of a block's class
+    ],
+)
+def test_sequence_parallelism_over_some_blocks_of_a_stack_is_refused_naming_the_ones_left_out(
+    build: Any, blocks: tuple[str, ...], left_out: str
+) -> None:
+    """The blocks left out would keep their TP projections but run outside
+    the layout pass, on the shard, and compute a wrong loss and gradients."""
+    model = build()
+    plan = explicit_plan("titan") if isinstance(model, Titan) else None
+    before = _state(model)
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        with pytest.raises(PlanningError, match=rf"blocks leave out {left_out} beside .*name every block"):
+            _sp_manager(mesh, blocks=blocks, tp_plan=plan).parallelize(model)
+        # Without SP the stream stays whole: naming fewer blocks only changes the units.
+        fsdptx.FSDP2Manager(fsdptx.FSDP2Config(mp_policy=None, blocks=blocks), mesh).plan(model)
+    _assert_unchanged(before, model)
+
+
+def test_the_root_named_as_a_block_is_refused_under_sequence_parallelism() -> None:
+    """FSDP2Config refuses an empty block name outright; the functional
+    transform refuses the root as a block once the sequence is sharded."""
+    model = _decoder()
+    with pytest.raises(ValueError, match=r"FSDP2Config.blocks holds an empty name"):
+        fsdptx.FSDP2Config(sequence_parallel=True, blocks=("",))
+    transform = functools.partial(fsdptx.tensor_parallel, sequence_parallel=True, blocks=("",))
+    with pytest.raises(PlanningError, match=r"blocks= names the root.*'layers\.\*'"):
+        fsdptx.plan(model, transform, mp_policy=None)
+
+
+@pytest.mark.parametrize("build", [_decoder3, _titan])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_container_named_as_a_block_means_its_children(build: Any, sequence_parallel: bool) -> None:
+    """``blocks=("layers",)`` plans what ``"layers.*"`` plans: each child
+    checkpointed (not the container, which never runs), the last one kept
+    unsharded after forward, the prefetch chains between them."""
+    model = build()
+    plan = explicit_plan("titan") if isinstance(model, Titan) and sequence_parallel else None
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        plans = [
+            fsdptx.FSDP2Manager(
+                fsdptx.FSDP2Config(
+                    mp_policy=None, blocks=blocks, sequence_parallel=sequence_parallel, tp_plan=plan,
+                    activation_checkpointing=True, enable_fsdp2_prefetch=True,
+                ),
+                mesh,
+            ).plan(model)
+            for blocks in (("layers",), ("layers.*",))
+        ]
+    assert plans[0] == plans[1]
+    named = plans[0]
+    children = tuple(f"layers.{i}" for i in range(len(model.layers)))
+    assert named.checkpointing is not None and named.checkpointing.modules == children
+    assert [u.reshard_after_forward for u in named.units if u.kind == "block"] == [True] * (len(children) - 1) + [False]
+    assert [c.unit for c in named.prefetch] == list(children)
 
 
 # ------------------------------------------------------- mixed precision, tp only

@@ -1,7 +1,8 @@
 """Sequence parallelism costs no more than torchtitan's: TP collectives of one
-training step (forward and backward), recorded on a fake (dp=2, tp=2) mesh,
-for fsdptx's plans against the same model parallelized by hand in
-torchtitan's pattern (``titan_pattern``).
+training step (forward and backward, then the once-per-step TP-replica
+sync), recorded on a fake (dp=2, tp=2) mesh, for fsdptx's plans against the
+same model parallelized by hand in torchtitan's pattern (``titan_pattern``),
+which has no sync to call.
 
 The targets: no more TP all-reduces per step than the hand-parallelized
 model, and no TP all-reduce larger than the largest replicated parameter
@@ -109,7 +110,10 @@ def _measure(case: str, loss_parallel: bool) -> dict[str, Any]:
         fsdptx.FSDP2Manager(config, mesh).parallelize(model)
         ours = _step(model, tokens, loss_parallel)
         largest = _largest_replicated_param(model)
-    return {"hand": by_hand, "ours": ours, "largest": largest}
+        grads = {fqn: p.grad for fqn, p in model.named_parameters()}
+        with record_collectives() as sync:
+            synced = fsdptx.synchronize_tp_replica_gradients([model], mesh)
+    return {"hand": by_hand, "ours": ours, "largest": largest, "sync": sync, "synced": synced, "grads": grads}
 
 
 # Loss parallelism on the models whose loss the test computes from the logits.
@@ -147,3 +151,47 @@ def test_hf_llama_derived_all_reduces_only_norm_gradients() -> None:
     found = _measure("hf_llama_derived", False)
     sizes = {_nbytes(c) for c in _all_reduces(found["ours"])}
     assert sizes == {64 * 4}, sizes
+
+
+def _tp_tally(calls: list[Collective]) -> tuple[int, int]:
+    """(count, bytes) of the TP collectives in ``calls``."""
+    tp = [c for c in calls if c.group == TP_GROUP]
+    return len(tp), sum(map(_nbytes, tp))
+
+
+# The cases whose by-hand baseline lays the model out as fsdptx's plan does.
+SAME_LAYOUT = [(c, lp) for c, lp in RUNS if CASES[c][1] in ("titan", "decoder")]
+
+
+@pytest.mark.parametrize(("case", "loss_parallel"), SAME_LAYOUT)
+def test_a_step_with_its_tp_replica_sync_costs_no_more_tp_collectives_than_torchtitans_pattern(
+    case: str, loss_parallel: bool
+) -> None:
+    """Forward, backward and ``synchronize_tp_replica_gradients`` together,
+    against torchtitan's forward and backward: the sync adds nothing where
+    every replicated parameter is one DTensor already keeps alike (the
+    sequence-parallel norms), neither the norms' all-reduce nor its agreement."""
+    found = _measure(case, loss_parallel)
+    ours = _tp_tally(found["ours"] + found["sync"])
+    hand = _tp_tally(found["hand"])
+    assert ours[0] <= hand[0] and ours[1] <= hand[1], (ours, hand)
+    assert _tp_tally(found["sync"]) == (0, 0), found["sync"]
+
+
+@pytest.mark.parametrize(("case", "loss_parallel"), SAME_LAYOUT)
+def test_the_sync_leaves_out_the_norm_gradients_dtensor_already_reduced(case: str, loss_parallel: bool) -> None:
+    """The norms' gradients arrive as ``Replicate`` DTensors on the tp dim
+    (DTensor's Partial -> Replicate all-reduce in backward, the step's only
+    TP all-reduces), so none of them is counted as synchronized: with no
+    plain replica in these models, the count is 0 (it was one per norm)."""
+    found = _measure(case, loss_parallel)
+    norms = {f for f in found["grads"] if "norm" in f}
+    assert len(norms) == 2 * 2 + 1  # two per block, and the final norm
+    for fqn in norms:
+        grad = found["grads"][fqn]
+        assert isinstance(grad, DTensor) and grad.placements[-1].is_replicate(), (fqn, grad)
+    assert len(_all_reduces(found["ours"])) == len(norms)
+    # Every other gradient is TP-sharded: no plain replica is left to reduce.
+    others = [f for f, g in found["grads"].items() if f not in norms and g is not None]
+    assert all(isinstance(g, DTensor) and g.placements[-1].is_shard() for g in map(found["grads"].get, others))
+    assert found["synced"] == 0

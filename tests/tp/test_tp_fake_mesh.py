@@ -377,6 +377,46 @@ def test_sync_leaves_tp_partial_gradient_of_replicated_param_untouched(dp_tp_mes
     assert torch.equal(model.w.grad.to_local(), torch.full((4,), 3.0))
 
 
+def test_replicate_dtensor_on_the_tp_mesh_is_left_to_dtensor_with_no_collective(dp_tp_mesh: DeviceMesh) -> None:
+    """A parameter ``Replicate`` on the tp dim whose gradient arrives
+    ``Replicate`` there (DTensor reduced it, as it does an SP norm's) is not
+    reduced again; with nothing else to reduce, not even the agreement runs."""
+    model = nn.Module()
+    model.w = nn.Parameter(distribute_tensor(torch.ones(4), dp_tp_mesh, [Shard(0), Replicate()]))
+    model.w.grad = DTensor.from_local(torch.full((2,), 3.0), dp_tp_mesh, [Shard(0), Replicate()], run_check=False)
+    with record_collectives() as calls:
+        count = synchronize_tp_replica_gradients(model, dp_tp_mesh)
+    assert (count, calls) == (0, [])
+    assert torch.equal(model.w.grad.to_local(), torch.full((2,), 3.0))
+
+
+def test_a_plain_replica_beside_a_tp_mesh_dtensor_is_the_only_one_reduced(dp_tp_mesh: DeviceMesh) -> None:
+    model = nn.Module()
+    model.norm = nn.Parameter(distribute_tensor(torch.ones(4), dp_tp_mesh, [Replicate(), Replicate()]))
+    model.norm.grad = DTensor.from_local(torch.full((4,), 3.0), dp_tp_mesh, [Replicate(), Replicate()], run_check=False)
+    model.plain = nn.Parameter(torch.ones(6))
+    model.plain.grad = torch.full((6,), 5.0)
+    with record_collectives() as calls:
+        count = synchronize_tp_replica_gradients(model, dp_tp_mesh)
+    assert count == 1
+    assert _is_agreement(calls[0])
+    assert [(c.op, c.shapes) for c in _float_reductions(calls)] == [("allreduce_", ((6,),))]  # the plain one only
+    assert torch.equal(model.plain.grad, torch.full((6,), 2.5))  # the fake group's sum is the local value
+    assert torch.equal(model.norm.grad.to_local(), torch.full((4,), 3.0))
+
+
+def test_a_dtensor_replicated_across_tp_peers_under_another_dim_name_is_still_reduced() -> None:
+    """Only the TP dim's ``Replicate`` is DTensor's promise about the TP
+    peers; a mesh replicating across them under another name (an FSDP unit
+    on a mesh spanning them) gets no reduction over them from DTensor."""
+    with fake_mesh((2, 2), ("dp", "tp"), rank=1) as mesh:
+        model = nn.Module()
+        model.w = nn.Parameter(distribute_tensor(torch.ones(4), _ep_mesh("rep"), [Replicate(), Replicate()]))
+        model.w.grad = DTensor.from_local(torch.full((4,), 3.0), _ep_mesh("rep"), [Replicate(), Replicate()], run_check=False)
+        assert synchronize_tp_replica_gradients(model, mesh) == 1
+    assert torch.equal(model.w.grad.to_local(), torch.full((4,), 1.5))
+
+
 # ------------------------------------------------------------ under fully_shard
 
 

@@ -40,7 +40,7 @@ LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "dp2xtp2": ((2, 2), ("dp", "tp")),
     "tp4": ((4,), ("tp",)),
 }
-SPAWN_TIMEOUT_S = 120.0  # join timeout of one spawned run (a backstop)
+SPAWN_TIMEOUT_S = 300.0  # limit of one spawned run, start-up included (a backstop: minutes on a loaded CI machine)
 COLLECTIVE_TIMEOUT_S = 20.0  # gloo process-group timeout: a hung collective raises
 ERROR_BOUND_S = 10.0  # an error must surface well before a collective would time out
 SLICE_BUDGET = 48  # bytes: 12 fp32 elements per buffer
@@ -116,8 +116,10 @@ def _dtensor_param(mesh: DeviceMesh, placements: list[Any], local_shape: tuple[i
 
 class _SyncModel(nn.Module):
     """Replicated fp32/bf16 params with mean and sum marks, an excluded
-    subtree, DTensor params replicated on tp (and sharded on dp where there is
-    one, including a real FSDP2 unit), and a DTensor param sharded on tp."""
+    subtree, a real FSDP2 unit (a DTensor on the dp submesh: a plain replica
+    as far as TP goes), DTensor params replicated on tp (and sharded on dp
+    where there is one), which DTensor keeps alike itself, and a DTensor
+    param sharded on tp."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         super().__init__()
@@ -148,12 +150,13 @@ REDUCTIONS: dict[str, str] = {  # the reduction each replicated param of _SyncMo
     "sum_lin.bias": "sum",
     "bf16_mean.weight": "mean",
     "bf16_sum.weight": "sum",
-    "dt_rep.weight": "mean",
-    "dt_dp_shard.weight": "mean",
     "fsdp_sum.weight": "sum",
     "fsdp_sum.bias": "sum",
 }
-UNTOUCHED = ("owned.0.weight", "owned.0.bias", "dt_tp_shard.weight")
+# Excluded, sharded on tp, or Replicate DTensors on the TP mesh: their
+# gradients are DTensor's to reduce (the rank-dependent ones set here break
+# its promise on purpose, so a sync that touched them would show).
+UNTOUCHED = ("owned.0.weight", "owned.0.bias", "dt_tp_shard.weight", "dt_rep.weight", "dt_dp_shard.weight")
 
 
 class _BroadcastModel(nn.Module):
@@ -332,7 +335,7 @@ def _reduced(layout: str, results: list[dict[str, Any]], key: str, fqn: str, ran
 # ------------------------------------------------------------------ sync tests
 
 
-@pytest.mark.parametrize(("reduction", "at_least"), [("mean", 4), ("sum", 3)])
+@pytest.mark.parametrize(("reduction", "at_least"), [("mean", 3), ("sum", 3)])
 def test_gradients_equal_their_tp_group_reduction(
     run: tuple[str, list[dict[str, Any]]], reduction: str, at_least: int
 ) -> None:
@@ -374,17 +377,23 @@ def test_gradients_differed_across_tp_peers_before_sync(run: tuple[str, list[dic
             assert not torch.equal(results[0]["before"][fqn], results[peer]["before"][fqn]), fqn
 
 
-def test_excluded_and_tp_sharded_gradients_are_untouched(run: tuple[str, list[dict[str, Any]]]) -> None:
-    _layout, results = run
+def test_excluded_tp_sharded_and_tp_mesh_dtensor_gradients_are_untouched(
+    run: tuple[str, list[dict[str, Any]]]
+) -> None:
+    layout, results = run
+    checked = 0
     for rank in range(WORLD):
         for fqn in UNTOUCHED:
-            assert torch.equal(results[rank]["after"][fqn], results[rank]["before"][fqn]), (rank, fqn)
+            if fqn in results[rank]["after"]:  # dt_dp_shard exists only with a dp dim
+                assert torch.equal(results[rank]["after"][fqn], results[rank]["before"][fqn]), (rank, fqn)
+                checked += 1
+    assert checked == WORLD * (len(UNTOUCHED) - (layout != "dp2xtp2"))
 
 
 def test_sync_returns_number_of_synchronized_gradients(run: tuple[str, list[dict[str, Any]]]) -> None:
     layout, results = run
     expected = sum(1 for fqn in REDUCTIONS if fqn in results[0]["after"])
-    assert expected == (10 if layout == "dp2xtp2" else 7)
+    assert expected == (8 if layout == "dp2xtp2" else 6)
     assert [r["count"] for r in results] == [expected] * WORLD
 
 

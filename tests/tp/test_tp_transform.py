@@ -380,17 +380,31 @@ def test_sequence_parallelism_without_tp_in_the_blocks_runs_each_region_on_the_w
     each attention and MLP is handed the whole sequence and slices its
     output back, and the head reads the shard the stream ends on."""
     only_ends = {"embed_tokens": "embedding_rowwise", "lm_head": "colwise_rep"}
-    for plan_ in (only_ends, {}):
-        p = _tp(_decoder(), plan=plan_, sequence_parallel=True)
-        styles, names = _styles(p), _names(p)
-        assert isinstance(styles["layers.0"], ShardSequence)
-        for i in range(LAYERS):
-            assert isinstance(styles[f"layers.{i}.attn"], WholeSequence)
-            assert isinstance(styles[f"layers.{i}.mlp"], WholeSequence)
-            assert names[f"layers.{i}.attn_norm"] == "sequence_parallel (sp)"
-        head = styles["lm_head"]
-        assert head.input_layouts == (Shard(1),)  # type: ignore[attr-defined]
-        assert not any(k.startswith("layers") and v == "sum" for k, v in p.reductions.items())
+    p = _tp(_decoder(), plan=only_ends, sequence_parallel=True)
+    styles, names = _styles(p), _names(p)
+    assert isinstance(styles["layers.0"], ShardSequence)
+    for i in range(LAYERS):
+        assert isinstance(styles[f"layers.{i}.attn"], WholeSequence)
+        assert isinstance(styles[f"layers.{i}.mlp"], WholeSequence)
+        assert names[f"layers.{i}.attn_norm"] == "sequence_parallel (sp)"
+    head = styles["lm_head"]
+    assert head.input_layouts == (Shard(1),)  # type: ignore[attr-defined]
+    assert not any(k.startswith("layers") and v == "sum" for k, v in p.reductions.items())
+
+
+@pytest.mark.parametrize(
+    "plan_",
+    [{}, {"layers.*.attn_norm": "sequence_parallel", "norm": SequenceParallel()}],
+    ids=["empty", "only-sequence-parallel-norms"],
+)
+def test_sequence_parallelism_with_a_plan_that_splits_no_module_is_refused(plan_: dict[str, object]) -> None:
+    with pytest.raises(PlanningError, match=r"sequence_parallel=True, but the TP plan splits no module .*tp_plan="):
+        _tp(_decoder(), plan=plan_, sequence_parallel=True)
+
+
+def test_an_empty_plan_without_sequence_parallelism_keeps_every_parameter_a_replica() -> None:
+    p = _tp(_decoder(), plan={})
+    assert p.tensor_parallel is not None and p.tensor_parallel.assignments == ()
 
 
 def test_under_sequence_parallelism_a_head_outside_the_plan_gets_the_gathered_sequence_as_a_plain_tensor() -> None:

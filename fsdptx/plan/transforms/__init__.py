@@ -7,16 +7,16 @@ return a new Plan. How transforms are chained and run (``compose``,
 ``plan``) is :mod:`fsdptx.plan._compose`, below this subpackage.
 
 - ``_shard``: the sharding transforms ``shard_by_dtype`` and
-  ``shard_across_blocks`` (and ``sharding_transform``, ``block_fqns``,
-  ``check_reshard``, which other transforms share);
+  ``shard_across_blocks`` (and ``sharding_transform`` and ``block_fqns``,
+  which other transforms share);
 - ``_marks``: ``mark_reduction``, TP-replica gradient reductions and
   exclusions;
 - ``_refine``: ``checkpoint_activations``, ``reshard_policy``, ``prefetch``,
   ``reduce_unused_params`` (and ``block_units``);
-- ``_expert_parallel``: ``expert_parallel`` (and ``EP_HOOK``).
+- ``_expert_parallel``: ``expert_parallel`` (and ``EP_HOOK``, ``uneven_experts``).
 """
 
-from ._expert_parallel import EP_HOOK, expert_parallel
+from ._expert_parallel import EP_HOOK, expert_parallel, uneven_experts
 from ._marks import mark_reduction
 from ._refine import block_units, checkpoint_activations, prefetch, reduce_unused_params, reshard_policy
 from ._shard import block_fqns, shard_across_blocks, shard_by_dtype
@@ -33,4 +33,5 @@ __all__ = [
     "reshard_policy",
     "shard_across_blocks",
     "shard_by_dtype",
+    "uneven_experts",
 ]

@@ -6,7 +6,10 @@ mesh's ``ep`` dim holds ``num_experts / ep`` whole experts, and FSDP shards
 those over the remaining data-parallel dims. The planning half is pure:
 it finds each expert module's parameters and their common expert count,
 and refuses what cannot be split by expert. How many ranks ``ep`` has is a
-fact of the mesh, checked by :func:`fsdptx.apply_plan`.
+fact of the mesh: given as ``ep=`` (``FSDP2Manager`` passes its MoE mesh's),
+an expert count it does not divide is refused here, at planning, as
+:func:`fsdptx.apply_plan` would refuse it (both read
+:func:`uneven_experts`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ from torch import nn
 
 from ...hf._expert_parallel import hf_dispatches_experts
 from ...model._index import PlanningError
-from .._compose import model_index
+from .._compose import check_transform_args, model_index
 from .._kinds import unit_blind
 from .._plan import Plan
 from .._types import ExpertParallel, preview
 from ._shard import _experts
 
-__all__ = ["EP_HOOK", "expert_parallel"]
+__all__ = ["EP_HOOK", "expert_parallel", "uneven_experts"]
 
 EP_HOOK = "set_expert_parallel_mesh"
 """The method an expert module defines to learn its ``ep`` mesh: its forward
@@ -31,8 +34,23 @@ then sends each token to the ``ep`` rank holding the token's expert (an
 all-to-all over ``ep_mesh.get_group()``) and runs only its local experts."""
 
 
+def uneven_experts(ep: ExpertParallel, size: int) -> str | None:
+    """The problem, if any, of splitting ``ep``'s expert modules across an
+    ``ep`` dim of ``size`` ranks: each rank must hold whole experts, so
+    every expert count must divide by ``size``."""
+    uneven = [f"{m} ({n} experts)" for m, n in zip(ep.modules, ep.num_experts) if n % size]
+    if not uneven:
+        return None
+    return (
+        f"expert modules {preview(uneven)} cannot be split evenly across ep={size}; use an ep size that "
+        "divides the expert count"
+    )
+
+
 @unit_blind
-def expert_parallel(model: nn.Module, plan: Plan, /, *, expert_modules: Collection[str] | None = None) -> Plan:
+def expert_parallel(
+    model: nn.Module, plan: Plan, /, *, expert_modules: Collection[str] | None = None, ep: int | None = None
+) -> Plan:
     """Plan expert parallelism: every parameter of each expert module is
     split on dim 0 (its expert dim) across the MoE mesh's ``ep`` dim.
 
@@ -50,6 +68,9 @@ def expert_parallel(model: nn.Module, plan: Plan, /, *, expert_modules: Collecti
         expert_modules: globs of the expert modules; default the plan's
             (``shard_by_dtype(expert_modules=...)``), else the model's
             ``_fsdptx_expert_modules``.
+        ep: the size of the MoE mesh's ``ep`` dim the plan is for, when
+            known (``FSDP2Manager`` passes it): checked against every
+            expert count here. ``None``: checked by ``apply_plan`` only.
 
     Returns:
         ``plan`` with :attr:`Plan.expert_parallel` set (a warning added for
@@ -59,7 +80,9 @@ def expert_parallel(model: nn.Module, plan: Plan, /, *, expert_modules: Collecti
     Raises:
         PlanningError: no expert modules; an expert module without
             parameters, with a scalar one, or whose parameters disagree on
-            dim 0 (the expert count), naming them.
+            dim 0 (the expert count), naming them; an expert count ``ep``
+            does not divide.
+        TypeError, ValueError: ``ep`` is not a positive int.
 
     Example::
 
@@ -67,10 +90,15 @@ def expert_parallel(model: nn.Module, plan: Plan, /, *, expert_modules: Collecti
         p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.expert_parallel))
         fsdptx.apply_plan(p, model, mesh, moe_mesh=moe_mesh)
     """
+    check_transform_args(model, plan, "expert_parallel")
+    if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int)):
+        raise TypeError(f"expert_parallel: ep must be an int (the MoE mesh's ep dim size) or None, got {ep!r}")
+    if ep is not None and ep < 1:
+        raise ValueError(f"expert_parallel: ep must be >= 1, got {ep}")
     index = model_index(model, plan)
-    modules = _experts(model, index, expert_modules) if expert_modules is not None else plan.expert_modules
+    modules = _experts(model, index, expert_modules, "expert_parallel") if expert_modules is not None else plan.expert_modules
     if not modules:
-        modules = _experts(model, index, None)
+        modules = _experts(model, index, None, "expert_parallel")
     if not modules:
         raise PlanningError(
             "expert_parallel: no expert modules: pass expert_modules=[globs], plan shard_by_dtype(expert_modules=...) "
@@ -110,5 +138,8 @@ def expert_parallel(model: nn.Module, plan: Plan, /, *, expert_modules: Collecti
             "module that method and dispatch tokens over the ep group in its forward"
         )
         warnings = warnings + (warning,) if warning not in warnings else warnings
-    ep = ExpertParallel(modules=tuple(modules), num_experts=tuple(counts), params=tuple(params))
-    return plan.replace(expert_parallel=ep, warnings=warnings)
+    split = ExpertParallel(modules=tuple(modules), num_experts=tuple(counts), params=tuple(params))
+    uneven = uneven_experts(split, ep) if ep is not None else None
+    if uneven is not None:
+        raise PlanningError(f"expert_parallel: {uneven}")
+    return plan.replace(expert_parallel=split, warnings=warnings)

@@ -15,12 +15,11 @@ from itertools import compress, repeat
 
 from torch import nn
 
-from ...core._args import require_module
 from ...core._names import Names, name_tokens
 from ...hf import hf_replica_reductions
 from ...model._stages import STAGE_ATTRIBUTE
-from ...model._index import ModelIndex, PlanningError
-from .._compose import model_index
+from ...model._index import ModelIndex, PlanningError, empty_containers_note
+from .._compose import check_transform_args, model_index
 from .._kinds import unit_blind
 from .._plan import Plan
 from .._types import REDUCTIONS, Reduction, is_reduction, preview
@@ -121,7 +120,7 @@ def mark_reduction(
         marks = functools.partial(fsdptx.mark_reduction, reductions={"layers.*.router": "sum"})
         p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, marks))
     """
-    require_module(model, "model", "mark_reduction")
+    check_transform_args(model, plan, "mark_reduction")
     if reductions is not None and not isinstance(reductions, Mapping):
         raise TypeError(
             f"mark_reduction: reductions must be a mapping of module glob -> 'mean' or 'sum' "
@@ -153,7 +152,9 @@ def mark_reduction(
     for pattern, reduction in valid.items():
         matched = matches[pattern]
         if not matched:
-            raise PlanningError(f"mark_reduction: reduction glob {pattern!r} matches no module of the model")
+            raise PlanningError(
+                f"mark_reduction: reduction glob {pattern!r} matches no module of the model{empty_containers_note(index)}"
+            )
         direct = [index.direct_param_fqns(fqn) for fqn in matched]
         if not any(direct):
             raise PlanningError(
@@ -174,7 +175,9 @@ def mark_reduction(
     for pattern in globs:
         matched = matches[pattern]
         if not matched:
-            raise PlanningError(f"mark_reduction: exclusion glob {pattern!r} matches no module of the model")
+            raise PlanningError(
+                f"mark_reduction: exclusion glob {pattern!r} matches no module of the model{empty_containers_note(index)}"
+            )
         if not any(_holds_tensors(index.modules[f]) for f in matched):
             raise PlanningError(
                 f"mark_reduction: exclusion glob {pattern!r} matches {preview(matched)}, whose subtrees hold "

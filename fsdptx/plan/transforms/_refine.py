@@ -10,9 +10,10 @@ from typing import get_args
 
 from torch import nn
 
+from ...core._args import require_bool
 from ...core._names import Names
-from ...model._index import PlanningError
-from .._compose import model_index
+from ...model._index import PlanningError, empty_containers_note, kv_cache_switches
+from .._compose import check_transform_args, model_index
 from .._kinds import unit_blind
 from .._plan import Plan
 from .._types import Checkpointing, CheckpointMode, Prefetch, Unit
@@ -44,7 +45,9 @@ def checkpoint_activations(
     ops) and recomputes only the cheap elementwise ones and norms.
 
     Applied with torch's composable ``checkpoint`` (hooks, no wrapper
-    module), so parameter FQNs and ``state_dict()`` keys are unchanged.
+    module), so parameter FQNs and ``state_dict()`` keys are unchanged. A
+    KV cache cannot be replayed in backward: the Plan lists the model's
+    ``use_cache`` switches that are on (applying turns them off).
     Blocks default to the model's (``_no_split_modules`` or the largest
     ``nn.ModuleList``).
 
@@ -66,15 +69,19 @@ def checkpoint_activations(
         ac = functools.partial(fsdptx.checkpoint_activations, mode="selective")
         p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, ac))
     """
+    check_transform_args(model, plan, "checkpoint_activations")
     if mode not in CHECKPOINT_MODES:
         raise PlanningError(f"checkpoint_activations: unknown mode {mode!r}; use one of {CHECKPOINT_MODES}")
-    targets = block_fqns(blocks, model_index(model, plan), "checkpoint_activations")
+    index = model_index(model, plan)
+    targets = block_fqns(blocks, index, "checkpoint_activations")
     if not targets:
         raise PlanningError(
-            f"checkpoint_activations: found no blocks in {type(model).__name__} to checkpoint; name them "
+            f"checkpoint_activations: found no blocks in {type(model).__name__} to checkpoint"
+            f"{empty_containers_note(index)}; name them "
             "with FSDP2Config(blocks=...) or checkpoint_activations(blocks=...), or declare _no_split_modules"
         )
-    return plan.replace(checkpointing=Checkpointing(mode=mode, modules=targets))
+    kv = kv_cache_switches(index.modules.items())
+    return plan.replace(checkpointing=Checkpointing(mode=mode, modules=targets, kv_cache_off=kv))
 
 
 def block_units(plan: Plan) -> list[tuple[int, Unit]]:
@@ -118,7 +125,8 @@ def reshard_policy(model: nn.Module, plan: Plan, /, *, pipeline_parallel: bool =
         p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.reshard_policy))
         assert p.units[-1].reshard_after_forward is False  # the root
     """
-    del model
+    check_transform_args(model, plan, "reshard_policy")
+    require_bool(pipeline_parallel, "pipeline_parallel", "reshard_policy")
     blocks = block_units(plan)
     last = blocks[-1][1].modules[0] if blocks else None
     units = []
@@ -162,7 +170,7 @@ def prefetch(model: nn.Module, plan: Plan, /, *, forward_depth: int = 1, backwar
         deeper = functools.partial(fsdptx.prefetch, forward_depth=2)
         p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.reshard_policy, deeper))
     """
-    del model
+    check_transform_args(model, plan, "prefetch")
     for name, depth in (("forward_depth", forward_depth), ("backward_depth", backward_depth)):
         if type(depth) is not int or depth < 0:
             raise PlanningError(f"prefetch: {name} must be a non-negative int, got {depth!r}")
@@ -200,5 +208,5 @@ def reduce_unused_params(model: nn.Module, plan: Plan, /) -> Plan:
 
         p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.reduce_unused_params))
     """
-    del model
+    check_transform_args(model, plan, "reduce_unused_params")
     return plan.replace(reduce_unused_params=True)

@@ -3,8 +3,8 @@
 Each is written once, as a request function that records what to shard in
 the Plan; :func:`sharding_transform` makes it the transform that also
 resolves the units (``compose`` runs the bare request for a fused run). Also
-the helpers other transforms share: :func:`block_fqns` (the target blocks),
-:func:`check_reshard`, and :func:`_experts` (expert module FQNs).
+the helpers other transforms share: :func:`block_fqns` (the target blocks)
+and :func:`_experts` (expert module FQNs).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from torch import nn
 
 from ...core._names import Names, name_tokens, natural_key
 from ...hf import hf_fp32_compute_tokens
-from ...model._index import ModelIndex, PlanningError, resolve_blocks
-from .._compose import _resolve, model_index
+from ...model._index import ModelIndex, PlanningError, empty_containers_note, resolve_blocks
+from .._compose import _resolve, check_reshard, check_transform_args, model_index
 from .._kinds import request_transform
 from .._plan import Plan
 from .._types import CrossBlockRequest, DtypeRequest, preview
 
-__all__ = ["block_fqns", "check_reshard", "shard_across_blocks", "shard_by_dtype", "sharding_transform"]
+__all__ = ["block_fqns", "shard_across_blocks", "shard_by_dtype", "sharding_transform"]
 
 
 _P = ParamSpec("_P")
@@ -44,6 +44,7 @@ def sharding_transform(
 
     @functools.wraps(request)
     def transform(model: nn.Module, plan: Plan, /, *args: _P.args, **kwargs: _P.kwargs) -> Plan:
+        check_transform_args(model, plan, request.__name__)
         index = model_index(model, plan)
         scoped = plan if plan.scratch is index else plan.replace(scratch=index)
         requested = request(model, scoped, *args, **kwargs)
@@ -52,18 +53,6 @@ def sharding_transform(
         return _resolve(model, requested, index).replace(scratch=plan.scratch)
 
     return request_transform(request)(transform)
-
-
-def check_reshard(value: object, where: str) -> bool | int | None:
-    """``reshard_after_forward`` must be None, a bool, or a world size >= 1;
-    caught here so a typo fails at planning, not inside the primitive after
-    earlier units were already sharded."""
-    if value is None or isinstance(value, bool) or (isinstance(value, int) and value >= 1):
-        return value
-    raise PlanningError(
-        f"{where}: reshard_after_forward must be None, True, False or a positive int world size, "
-        f"got {value!r}"
-    )
 
 
 def block_fqns(blocks: Names | None, index: ModelIndex, where: str) -> tuple[str, ...]:
@@ -167,7 +156,8 @@ def shard_by_dtype(
     if not targets:
         found_none = (
             f"found no blocks in {type(model).__name__} (no _no_split_modules, no nn.ModuleList or "
-            "nn.ModuleDict of same-class children): the whole model is ONE FSDP unit (the root); name "
+            f"nn.ModuleDict of same-class children){empty_containers_note(index)}: the whole model is ONE "
+            "FSDP unit (the root); name "
             "the blocks with FSDP2Config(blocks=...) or shard_by_dtype(blocks=...)"
         )
         warnings = warnings + (found_none,) if found_none not in warnings else warnings
@@ -194,13 +184,13 @@ def _refuse_presharded(index: ModelIndex, where: str) -> None:
     )
 
 
-def _experts(model: nn.Module, index: ModelIndex, globs: Names | None) -> tuple[str, ...]:
+def _experts(model: nn.Module, index: ModelIndex, globs: Names | None, where: str = "shard_by_dtype") -> tuple[str, ...]:
     """Expert module FQNs from globs (one dotted segment per ``*``), or the
     model's ``_fsdptx_expert_modules``; planned before their blocks, so each
     is a unit of its own on the MoE mesh, and kept out of TP-replica sync
     (expert shards differ between ranks by design)."""
     patterns = (
-        name_tokens(globs, "expert_modules", "shard_by_dtype")
+        name_tokens(globs, "expert_modules", where)
         if globs is not None
         else name_tokens(getattr(model, "_fsdptx_expert_modules", None), "_fsdptx_expert_modules")
     )
@@ -208,7 +198,7 @@ def _experts(model: nn.Module, index: ModelIndex, globs: Names | None) -> tuple[
     for g in patterns:
         matched = index.match(g)
         if not matched:
-            raise PlanningError(f"shard_by_dtype: expert module glob {g!r} matches no module of the model")
+            raise PlanningError(f"{where}: expert module glob {g!r} matches no module of the model")
         found.extend(f for f in matched if f not in found)
     return tuple(sorted(found, key=natural_key))
 
@@ -250,6 +240,8 @@ def shard_across_blocks(
         holders = functools.partial(fsdptx.shard_across_blocks, module_names=["attn.sinks"])
         p = fsdptx.plan(model, fsdptx.compose(fsdptx.shard_by_dtype, holders))
     """
+    if blocks is not None:
+        name_tokens(blocks, "blocks", "shard_across_blocks")  # checked even when there is nothing to do
     names = (
         name_tokens(module_names, "module_names", "shard_across_blocks")
         if module_names is not None
@@ -262,7 +254,8 @@ def shard_across_blocks(
     targets = block_fqns(blocks, index, "shard_across_blocks")
     if not targets:
         raise PlanningError(
-            f"shard_across_blocks: found no blocks in {type(model).__name__} for {list(names)}; "
+            f"shard_across_blocks: found no blocks in {type(model).__name__} for {list(names)}"
+            f"{empty_containers_note(index)}; "
             "declare _no_split_modules or pass blocks="
         )
     request = CrossBlockRequest(blocks=targets, names=names)

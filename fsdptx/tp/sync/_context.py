@@ -47,12 +47,25 @@ def is_tp_replicated(
     Returns:
         Whether this rank's local storage is a copy of every TP peer's.
 
+    Raises:
+        TypeError: an argument of the wrong type (named).
+
     Example::
 
         tp_ranks = mesh["tp"].mesh.flatten().tolist()
         replicated = [n for n, p in model.named_parameters() if fsdptx.is_tp_replicated(p, tp_ranks, rank, "tp")]
     """
-    del tp_axis_name
+    where = "is_tp_replicated"
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{where}: tensor must be a torch.Tensor (or DTensor), got {type(tensor).__name__}")
+    if isinstance(tp_group_ranks, (str, bytes)) or not isinstance(tp_group_ranks, Sequence) or not all(
+        type(r) is int for r in tp_group_ranks
+    ):
+        raise TypeError(f"{where}: tp_group_ranks must be a sequence of int ranks, got {tp_group_ranks!r}")
+    if type(current_rank) is not int:
+        raise TypeError(f"{where}: current_rank must be an int, got {type(current_rank).__name__} {current_rank!r}")
+    if not isinstance(tp_axis_name, str):
+        raise TypeError(f"{where}: tp_axis_name must be a str, got {type(tp_axis_name).__name__}")
     if not isinstance(tensor, DTensor):
         return True
     return _replicated_on_mesh(tensor.device_mesh, tuple(tensor.placements), tuple(tp_group_ranks), current_rank)
@@ -138,6 +151,34 @@ class _TPContext:
             if key not in cache:
                 cache[key] = _replicated_on_mesh(t.device_mesh, key[1], self.ranks, self.rank)
             return cache[key]
+
+        return check
+
+    def dtensor_keeps(self, axis: str) -> Callable[[torch.Tensor], bool]:
+        """Whether a tensor is a DTensor on a mesh with an ``axis`` dim (the
+        TP dim) that holds this rank and a TP peer of it, memoised per mesh:
+        then DTensor itself keeps its TP replicas alike (``Replicate`` on
+        that dim is its promise that the peers' local tensors are equal; a
+        gradient it leaves ``Partial`` is no replica). A plain tensor, a
+        DTensor on a mesh without TP peers (FSDP's data-parallel submesh),
+        or one whose mesh holds them under another dim (a mesh an FSDP unit
+        replicates across them) is not."""
+        cache: dict[int, bool] = {}
+        peers = [r for r in self.ranks if r != self.rank]
+
+        def check(t: torch.Tensor) -> bool:
+            if not isinstance(t, DTensor):
+                return False
+            mesh = t.device_mesh
+            found = cache.get(id(mesh))
+            if found is None:
+                ranks = mesh.mesh
+                found = cache[id(mesh)] = (
+                    axis in (mesh.mesh_dim_names or ())
+                    and bool((ranks == self.rank).any())
+                    and any(bool((ranks == r).any()) for r in peers)
+                )
+            return found
 
         return check
 

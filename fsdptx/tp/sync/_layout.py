@@ -306,11 +306,18 @@ def _derive_layout(
     with_buffers: bool,
     key: tuple[object, ...],
     honour_exclusions: bool,
+    dtensor_axis: str | None = None,
 ) -> _Layout:
     """The layout of ``parts`` for ``op``, from a fresh walk: the plain
-    function the cache (:func:`_layout`) stands in front of."""
+    function the cache (:func:`_layout`) stands in front of. With a
+    ``dtensor_axis`` (the TP dim's name), the replicas DTensor keeps alike
+    itself along it are left out (:meth:`_TPContext.dtensor_keeps`): the
+    gradient sync's choice."""
     params, buffers, modules = _walk(parts, honour_exclusions=honour_exclusions)
     replicated = ctx.replicated()
+    if dtensor_axis is not None:
+        kept, any_replica = ctx.dtensor_keeps(dtensor_axis), replicated
+        replicated = lambda t: any_replica(t) and not kept(t)  # noqa: E731
     entries = [e for e in (*params, *buffers) if replicated(e.tensor)] if with_buffers else [
         e for e in params if replicated(e.tensor)
     ]
@@ -340,15 +347,19 @@ def _layout(
     with_buffers: bool,
     *,
     honour_exclusions: bool = True,
+    dtensor_axis: str | None = None,
 ) -> _Layout:
     """:func:`_derive_layout`, cached per ``op`` on the first model part and
     rebuilt when anything it was derived from changed; with caches off
     (:func:`fsdptx.caches`), derived afresh, stored nowhere, and any stored
     layout left untouched."""
     # The group by name, never the object (see _RememberedContext).
-    key = (op, tuple(map(id, parts)), ctx.group_name, ctx.ranks, max_bytes, marks_generation(), honour_exclusions)
+    key = (
+        op, tuple(map(id, parts)), ctx.group_name, ctx.ranks, max_bytes, marks_generation(), honour_exclusions,
+        dtensor_axis, with_buffers,
+    )
     if not caches_enabled():
-        return _derive_layout(parts, ctx, max_bytes, op, with_buffers, key, honour_exclusions)
+        return _derive_layout(parts, ctx, max_bytes, op, with_buffers, key, honour_exclusions, dtensor_axis)
     cache = _cache_of(parts[0])
     if cache is None:
         cache = _LayoutCache()
@@ -357,7 +368,9 @@ def _layout(
     if found is not None and found.valid(key):
         return found
     cache.pop(op, None)  # release the old schedule's buffer before building anew
-    layout = cache[op] = _derive_layout(parts, ctx, max_bytes, op, with_buffers, key, honour_exclusions)
+    layout = cache[op] = _derive_layout(
+        parts, ctx, max_bytes, op, with_buffers, key, honour_exclusions, dtensor_axis
+    )
     return layout
 
 

@@ -123,7 +123,21 @@ def synchronize_tp_replica_gradients(
     of a device (fp64 ones get their own). Chunks are bounded by ``max_bytes``
     (the mean's divisor included) and laid out in rank-stable order; DTensor
     gradients are reduced through their local storage and keep shape and
-    placements. Excluded, TP-sharded and TP-partial tensors are untouched.
+    placements. Excluded, TP-sharded and TP-partial tensors are untouched,
+    and so are DTensors ``Replicate`` on the ``tp_axis_name`` dim of their
+    mesh (torch's ``SequenceParallel`` norms, a ``RowwiseParallel`` bias):
+    DTensor reduces their gradients itself (Partial -> Replicate in
+    backward), so reducing them again would cost a collective and, for a
+    ``sum`` mark, count them ``tp`` times. A plain replica, a DTensor on a
+    mesh without TP peers (FSDP's data-parallel one), or one replicated
+    across them under another dim name, is reduced.
+
+    When nothing is left to reduce, the call returns 0 without any
+    collective, the agreement included: what takes part follows from the
+    model's structure, marks and placements, which applying the same plan
+    makes the same on every TP rank. Only a peer whose model holds a plain
+    replica the others lack would then wait in the agreement alone, until
+    the process group's timeout.
 
     Before touching anything the TP group agrees (see :func:`_agree`) on
     everything that shapes the collectives: the set and order of
@@ -157,7 +171,8 @@ def synchronize_tp_replica_gradients(
 
     Returns:
         How many rank-local gradients were synchronized (tied ones once);
-        0, and no collective, without a TP axis of size > 1.
+        0, and no collective, without a TP axis of size > 1 or without a
+        plain replica to reduce.
 
     Raises:
         TypeError: ``max_bytes`` is not a positive integer.
@@ -177,7 +192,9 @@ def synchronize_tp_replica_gradients(
     ctx = _tp_context(device_mesh, tp_axis_name, _context_cache(parts))
     if ctx is None:
         return 0
-    layout = _layout(parts, ctx, max_bytes, "sync", with_buffers=False)
+    layout = _layout(parts, ctx, max_bytes, "sync", with_buffers=False, dtensor_axis=tp_axis_name)
+    if not layout.entries:
+        return 0  # nothing to reduce: no agreement either (see the docstring)
     states, grads, deviations, sparse = _grad_states(layout, ctx)
     key = states + "\n".join(deviations).encode()
     schedule = layout.schedule

@@ -1,0 +1,597 @@
+"""``python -m fsdptx plan --mesh pp=...``: the dry run of a pipelined job.
+
+With a ``pp`` axis in ``--mesh`` the manager plans pipeline stages
+(:class:`fsdptx.PipelineParallelConfig` from ``--schedule``,
+``--microbatches``, ``--stages-per-rank``, ``--layers-per-stage``), and each
+stage is applied with its own Plan on the fake mesh exactly as
+:func:`fsdptx.apply_pipeline` applies it on the ranks that run it (TP,
+checkpointing, FSDP units over the mesh's other dims). Every stage is
+applied here, whichever pipeline rank runs it: a stage's shards depend on
+the data-parallel and TP coordinates, not on the pipeline one. torch's
+schedule is built for pipeline rank 0's stages, so a schedule torch refuses
+(1F1B with fewer micro-batches than stages) is refused here too.
+
+The report is today's per-rank memory plan once per stage, exact to the
+byte: parameters, gradients and optimizer state of rank 0's shards of the
+stage, and what a pipelined step holds besides: all of the stage's
+parameters stay gathered through the step (nothing reshards under
+pipelining) and its unsharded gradients accumulate in the reduce dtype
+until one reduce-scatter after the last micro-batch. With ``--batch`` /
+``--seq`` each stage's step is traced (:mod:`fsdptx.cli._stage_trace`):
+its micro-batches in the schedule's order, activations of the micro-batches
+in flight, torch's P2P receive buffers, and the stage whose rank peaks
+highest is named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..apply._apply import apply_plan
+from ..core._meshes import ParallelDims
+from ..core._sizes import format_bytes
+from ..model._index import ModelIndex, PlanningError
+from ..model._stages import PipelineParts, build_stage_module
+from ..plan._json import plan_document
+from ..plan._plan import Pipeline, Plan, Stage
+from ..plan._stages import MULTI_STAGE_SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelineParallelConfig, bubble_fraction
+from ._common import APPLY_BUDGET, UsageError, _one_line, param_shards
+from ._memory import MemoryEstimate, estimate_from_trace
+from ._scaling import rescale, steady_bytes, traced_steady
+from ._trace import vocab_size, where_label
+from ._report import ParamShard
+from ._run import DryRun
+from ._stage_trace import TRACED_SCHEDULES, ActivationMeta, StageTrace, trace_stage
+
+__all__ = ["PipelineRun", "add_pipeline_arguments", "pipeline_config", "pipeline_dry_run", "run_pipeline_plan"]
+
+Report = Callable[[str, Sequence[int], Sequence[str], DryRun, str], dict[str, Any]]
+"""The CLI's report of one Plan (:func:`fsdptx.cli._main.report`), made here once per stage."""
+
+_FLAGS = ("--schedule", "--microbatches", "--stages-per-rank", "--layers-per-stage")
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``plan`` options of a mesh with a ``pp`` axis."""
+    parser.add_argument(
+        "--schedule",
+        metavar="NAME",
+        help=f"pipeline schedule with a pp axis in --mesh: {', '.join(SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES)} (default 1F1B)",
+    )
+    parser.add_argument(
+        "--microbatches", type=int, metavar="N", help="micro-batches per step with a pp axis (default: one per stage)"
+    )
+    parser.add_argument(
+        "--stages-per-rank", type=int, metavar="N", help="stages each pipeline rank runs (default 1; 2 or more for the interleaved schedules)"
+    )
+    parser.add_argument(
+        "--layers-per-stage", type=int, metavar="N", help="blocks per middle stage (default: as even a split as the blocks allow)"
+    )
+
+
+def _given(args: argparse.Namespace) -> list[str]:
+    return [f for f in _FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
+
+
+def pipeline_config(args: argparse.Namespace, names: Sequence[str] | None) -> PipelineParallelConfig | None:
+    """The pipeline the command line asks for: a config when ``names`` (the
+    ``--mesh`` axes; None under ``--fit``, which ignores ``--mesh``) has
+    ``pp``, else None; the pipeline options without a ``pp`` axis, or with
+    what the pipelined dry run does not do, are refused (:class:`UsageError`)."""
+    given = _given(args)
+    if names is None:
+        if given:
+            raise UsageError(f"{', '.join(given)} apply to a --mesh with a pp axis; --fit does not enumerate pipeline meshes")
+        return None
+    if "pp" not in names:
+        if given:
+            raise UsageError(f"{', '.join(given)} apply to a --mesh with a pp axis, e.g. --mesh pp=2,dp=4")
+        return None
+    for flag, reason in (
+        ("moe_mesh", "--moe-mesh with a pp axis: the dry run does not place experts on pipeline stages"),
+        ("html", "--html draws one rank's step; with a pp axis use --json, which has every stage's figures"),
+    ):
+        if getattr(args, flag) is not None:
+            raise UsageError(f"{reason}; drop {'--' + flag.replace('_', '-')} or the pp axis")
+    for flag in ("microbatches", "stages_per_rank", "layers_per_stage"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    try:
+        return PipelineParallelConfig(
+            schedule=args.schedule or "1F1B",
+            microbatches=args.microbatches,
+            layers_per_stage=args.layers_per_stage,
+            stages_per_rank=1 if args.stages_per_rank is None else args.stages_per_rank,
+        )
+    except (TypeError, ValueError) as e:  # its own message names the field; say which flag that is
+        text = _one_line(e).replace("PipelineParallelConfig.", "--").replace("PipelineParallelConfig: ", "")
+        for field in ("schedule", "microbatches", "layers_per_stage", "stages_per_rank"):
+            text = text.replace(field, field.replace("_", "-"))
+        raise UsageError(text) from None
+
+
+# --------------------------------------------------------------------------- the dry run
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """One stage as the dry run applied it: its rank-0 shards and, with
+    ``--batch``/``--seq``, its traced step."""
+
+    stage: Stage
+    shards: dict[str, ParamShard]
+    trace: StageTrace | None = None
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """The pipelined dry run: the Plan, the dims, how the stages were
+    applied (``"full"``, ``"tp"``, ``"computed"``, ``"none"`` as
+    :class:`fsdptx.cli._run.DryRun`), each stage and the micro-batch shape
+    traced (None without a trace)."""
+
+    plan: Plan
+    dims: ParallelDims
+    applied: str
+    params: int
+    stages: tuple[StageRun, ...]
+    micro_batch: tuple[int, int] | None = None
+
+    @property
+    def pipeline(self) -> Pipeline:
+        assert self.plan.pipeline is not None
+        return self.plan.pipeline
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss torch's schedule is built with (never run by the dry run)."""
+    return nn.functional.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+
+
+def _check_schedule(pipeline: Pipeline, modules: Sequence[nn.Module], mesh: DeviceMesh) -> None:
+    """Build torch's schedule over pipeline rank 0's stages, as
+    :func:`fsdptx.apply_pipeline` does, so what torch refuses is refused now."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    group = mesh["pp"].get_group()
+    num = len(pipeline.stages)
+    local = [
+        PipelineStage(modules[s.index], s.index, num, torch.device("cpu"), group=group) for s in pipeline.stages_of(0)
+    ]
+    cls = get_schedule_class(pipeline.schedule)
+    try:
+        if issubclass(cls, PipelineScheduleSingle):
+            cls(local[0], n_microbatches=pipeline.microbatches, loss_fn=_loss)
+        else:
+            cls(local, n_microbatches=pipeline.microbatches, loss_fn=_loss)
+    except ValueError as e:
+        raise UsageError(f"torch's {pipeline.schedule} schedule refuses this pipeline: {_one_line(e)}") from None
+
+
+def pipeline_dry_run(
+    model: nn.Module,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    config: Any,
+    *,
+    batch_seq: tuple[int, int] | None = None,
+    batch_given: bool = True,
+) -> PipelineRun:
+    """Plan ``model`` with the manager (``config.pipeline_parallel`` set),
+    apply every stage on a fake mesh of ``shape``/``names`` within
+    :data:`fsdptx.cli._common.APPLY_BUDGET`, read each stage's rank-0
+    shards and, with ``batch_seq`` (sequences per data-parallel rank,
+    tokens per sequence), trace each stage's step at the micro-batch size;
+    without ``batch_given`` (no ``--batch``) one sequence per micro-batch."""
+    from ..manager import FSDP2Manager
+    from ..testing import fake_mesh
+
+    with fake_mesh(shape, names) as mesh:
+        manager = FSDP2Manager(config, mesh)
+        dims = manager.dims
+        p = manager.plan(model)
+        pipeline = p.pipeline
+        assert pipeline is not None
+        if batch_seq is not None and not batch_given:
+            batch_seq = (pipeline.microbatches, batch_seq[1])
+        micro = _micro_batch(pipeline, batch_seq)
+        index = ModelIndex.build(model)
+        parts = PipelineParts.from_split(tuple(f for s in pipeline.stages for f in s.modules), pipeline.container)
+        num = len(pipeline.stages)
+        modules = [build_stage_module(model, index, parts, s.modules, s.index, num) for s in pipeline.stages]
+        n_params = sum(1 for _ in model.parameters())
+        has_units = any(s.plan.units for s in pipeline.stages)
+        has_tp = any(s.plan.tensor_parallel for s in pipeline.stages)
+        tp_cost = n_params * (dims.tp if dims.tp > 1 else 0)
+        fsdp_cost = n_params * (dims.dp_shard if has_units else 0)
+        if tp_cost + fsdp_cost <= APPLY_BUDGET:
+            for stage, module in zip(pipeline.stages, modules):
+                apply_plan(stage.plan, module, mesh)
+            applied = "full" if (has_units or has_tp) else "none"
+        elif tp_cost <= APPLY_BUDGET:
+            for stage, module in zip(pipeline.stages, modules):
+                bare = stage.plan.replace(units=(), prefetch=(), reduce_unused_params=False, expert_parallel=None)
+                apply_plan(bare, module, mesh)
+            applied = "tp" if has_tp else "computed"
+        else:
+            raise UsageError(
+                f"tp={dims.tp} over {n_params:,} parameters is more than the dry run simulates "
+                f"({APPLY_BUDGET:,} parameter shards); use a smaller tp"
+            )
+        _check_schedule(pipeline, modules, mesh)
+        shards = [
+            param_shards(module, s.plan, dims, fsdp_applied=applied == "full") for s, module in zip(pipeline.stages, modules)
+        ]
+        traces: list[StageTrace | None] = [None] * num
+        if micro is not None:
+            traces = list(_trace_stages(model, pipeline, modules, applied, micro, mesh))
+    stages = tuple(StageRun(s, sh, t) for s, sh, t in zip(pipeline.stages, shards, traces))
+    return PipelineRun(plan=p, dims=dims, applied=applied, params=n_params, stages=stages, micro_batch=micro)
+
+
+def _micro_batch(pipeline: Pipeline, batch_seq: tuple[int, int] | None) -> tuple[int, int] | None:
+    """One micro-batch's (sequences, tokens), refused before anything is
+    applied when the micro-batches do not split ``--batch`` evenly (torch's
+    schedule would refuse the batch at the first step)."""
+    if batch_seq is None:
+        return None
+    if pipeline.schedule not in TRACED_SCHEDULES:
+        raise UsageError(
+            f"--batch/--seq trace the step of schedules with one stage per rank ({', '.join(TRACED_SCHEDULES)}), "
+            f"not {pipeline.schedule}; drop them for the exact shape-only figures of every stage"
+        )
+    batch, seq = batch_seq
+    m = pipeline.microbatches
+    if batch % m:
+        fits = ", ".join(str(b) for b in (m, 2 * m, 4 * m))
+        raise UsageError(
+            f"--batch {batch} does not split into {m} micro-batches; give --batch a multiple of {m} ({fits}, ...) "
+            "or another --microbatches"
+        )
+    return batch // m, seq
+
+
+def _trace_stages(
+    model: nn.Module,
+    pipeline: Pipeline,
+    modules: Sequence[nn.Module],
+    applied: str,
+    micro: tuple[int, int],
+    mesh: DeviceMesh,
+) -> list[StageTrace]:
+    """Every stage's step, in pipeline order: each stage receives what the
+    one before it hands on."""
+    if applied != "full":
+        raise UsageError(
+            "the activation trace needs fully_shard applied, and this mesh is larger than the dry run "
+            f"simulates ({APPLY_BUDGET:,} parameter shards); trace a smaller dp_shard: activations per "
+            "rank do not depend on it"
+        )
+    vocab = vocab_size(model)
+    out: list[StageTrace] = []
+    received: ActivationMeta | None = None
+    for stage, module in zip(pipeline.stages, modules):
+        try:
+            traced = trace_stage(
+                module,
+                index=stage.index,
+                num_stages=len(pipeline.stages),
+                schedule=pipeline.schedule,
+                microbatches=pipeline.microbatches,
+                micro_batch=micro[0],
+                seq=micro[1],
+                vocab=vocab,
+                received=received,
+                units=[u.modules[0] for u in stage.plan.units],
+                mesh=mesh,
+            )
+        except (TypeError, RuntimeError, NotImplementedError) as e:
+            raise UsageError(
+                f"stage {stage.index}'s step could not be traced under FakeTensorMode ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:300]}); plan without --batch/--seq for the shape-only figures"
+            ) from None
+        out.append(traced)
+        received = traced.sent
+    return out
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _held(memory: dict[str, Any], units: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """What a pipelined step holds besides activations: nothing reshards,
+    so every unit stays gathered, and the unsharded gradients of every unit
+    accumulate in the reduce dtype until the one reduce-scatter after the
+    last micro-batch."""
+    gathered = sum(u["gathered_bytes"] for u in units)
+    accumulated = sum(u["reduce_scatter_input_bytes"] for u in units)
+    steady = memory["params_bytes"] + memory["grads_bytes"] + memory["optimizer_bytes"]
+    return {"gathered_bytes": gathered, "accumulated_grads_bytes": accumulated, "held_bytes": steady + gathered + accumulated}
+
+
+_NOT_PIPELINED = (
+    "peak_forward_bytes",
+    "peak_forward_gathered_bytes",
+    "peak_forward_at",
+    "peak_backward_bytes",
+    "peak_backward_gathered_bytes",
+    "peak_backward_at",
+)
+
+
+def _traced_json(run: StageRun, micro: tuple[int, int], optimizer: str, offload: bool) -> dict[str, Any]:
+    """The traced figures of one stage, in :class:`MemoryEstimate`'s keys
+    plus the pipeline's own (in flight, per micro-batch, P2P buffers)."""
+    t = run.trace
+    assert t is not None
+    estimate: MemoryEstimate = estimate_from_trace(
+        t.trace, run.shards, batch=micro[0], seq=micro[1], optimizer=optimizer, offload=offload
+    )
+    target = (0, 0, 0) if offload else steady_bytes(run.shards, optimizer)
+    _, position, _ = rescale(t.trace, traced=traced_steady(t.trace), target=target)
+    mb = t.microbatch_at(position)
+    at = where_label(t.trace.samples[position]) + ("" if mb is None else f", micro-batch {mb}")
+    data = estimate.to_json()
+    data.update(
+        {
+            "microbatch": micro[0],
+            "in_flight_microbatches": t.in_flight,
+            "activations_per_microbatch_bytes": t.activations_per_microbatch,
+            "p2p_buffer_bytes": t.p2p_buffer_bytes,
+            "input_grad_bytes": t.input_grad_bytes,
+            "received": None if t.received is None else {"shape": list(t.received.shape), "dtype": str(t.received.dtype).removeprefix("torch.")},
+            "sent": None if t.sent is None else {"shape": list(t.sent.shape), "dtype": str(t.sent.dtype).removeprefix("torch.")},
+            "peak_at": at,
+        }
+    )
+    del data["batch"]
+    return data
+
+
+def pipeline_report(
+    name: str, shape: Sequence[int], names: Sequence[str], run: PipelineRun, optimizer: str, report: Report, *, offload: bool = False
+) -> dict[str, Any]:
+    """The pipelined report as JSON-ready data: the whole job's keys as the
+    plain report has them (model, mesh, dims, ...), ``pipeline``, one entry
+    per stage under ``stages`` (its Plan's report: units, rows, step and
+    memory, plus what a pipelined step holds and, traced, its step), one per
+    pipeline rank under ``ranks``, and under ``memory`` the rank that peaks
+    highest (``pp_rank``, ``stages``)."""
+    pipeline = run.pipeline
+    stages = []
+    policy = None
+    for sr in run.stages:
+        stage = sr.stage
+        full = report(name, shape, names, DryRun(stage.plan, run.dims, sr.shards, run.applied, run.params), optimizer)
+        policy = full["mp_policy"]
+        memory = {k: v for k, v in full["memory"].items() if k not in _NOT_PIPELINED}
+        memory.update(_held(memory, full["units"]))
+        if sr.trace is not None and run.micro_batch is not None:
+            memory.update(_traced_json(sr, run.micro_batch, optimizer, offload))
+        stages.append(
+            {
+                "index": stage.index,
+                "rank": stage.rank,
+                "modules": list(stage.modules),
+                "numel": stage.numel,
+                "bytes": stage.nbytes,
+                "warnings": list(stage.plan.warnings),
+                "units": full["units"],
+                "rows": full["rows"],
+                "step": full["step"],
+                "memory": memory,
+                "tp_replica_reductions": full["tp_replica_reductions"],
+                "tp_replica_sync_excluded": full["tp_replica_sync_excluded"],
+            }
+        )
+    traced = run.micro_batch is not None
+    ranks: list[dict[str, Any]] = []
+    for r in range(pipeline.size):
+        mine = [s for s in stages if s["rank"] == r]
+        totals = {k: sum(s["memory"][k] for s in mine) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "held_bytes")}
+        if traced:  # one stage per rank: its traced step is the rank's
+            totals["peak_bytes"] = max(s["memory"]["peak_bytes"] for s in mine)
+        ranks.append({"rank": r, "stages": [s["index"] for s in mine], "memory": totals})
+    key = "peak_bytes" if traced else "held_bytes"
+    worst = max(ranks, key=lambda r: r["memory"][key])
+    top = {"pp_rank": worst["rank"], "stages": worst["stages"], **worst["memory"]}
+    if traced:
+        peak_stage = max((s for s in stages if s["rank"] == worst["rank"]), key=lambda s: s["memory"]["peak_bytes"])
+        top["peak_stage"] = peak_stage["index"]
+        top["peak_at"] = peak_stage["memory"]["peak_at"]
+        top["activations_bytes"] = peak_stage["memory"]["activations_bytes"]
+    model_bytes = sum(s.numel * s.dtype.itemsize for sr in run.stages for s in sr.shards.values())
+    return {
+        "warnings": list(run.plan.warnings) + [f"stage {s['index']}: {w}" for s in stages for w in s["warnings"]],
+        "model": name,
+        "mesh": dict(zip(names, shape)),
+        "world_size": math.prod(shape),
+        "dims": dataclasses.asdict(run.dims),
+        "moe_mesh": None,
+        "applied": run.applied,
+        "mp_policy": policy,
+        "model_bytes": model_bytes,
+        "pipeline": {
+            "schedule": pipeline.schedule,
+            "microbatches": pipeline.microbatches,
+            "size": pipeline.size,
+            "stages_per_rank": pipeline.stages_per_rank,
+            "placement": pipeline.placement,
+            "container": pipeline.container,
+            "bubble_fraction": bubble_fraction(pipeline.size, pipeline.microbatches, pipeline.stages_per_rank),
+            "microbatch": None if run.micro_batch is None else run.micro_batch[0],
+        },
+        "stages": stages,
+        "ranks": ranks,
+        "units": [],
+        "bytes_per_rank": worst["memory"]["params_bytes"],
+        "memory": top,
+    }
+
+
+# --------------------------------------------------------------------------- the text
+
+
+_APPLIED = {
+    "full": (
+        "every stage applied with its own Plan on the fake mesh, as apply_pipeline applies it on the ranks that run "
+        "it; bytes per rank are rank 0's DTensor shards of each stage"
+    ),
+    "tp": (
+        "TP applied to every stage on the fake mesh; FSDP shards computed from shapes (simulating fully_shard over "
+        "this many ranks would take minutes)"
+    ),
+    "computed": "FSDP shards computed from shapes, not applied (simulating fully_shard over this many ranks would take minutes)",
+    "none": "nothing to apply per stage (no TP, one data-parallel rank)",
+}
+
+
+def _mesh_line(data: dict[str, Any]) -> str:
+    p, d = data["pipeline"], data["dims"]
+    num = len(data["stages"])
+    parts = [
+        f"pipeline over pp={p['size']}: {num} stages ({p['stages_per_rank']} per rank, {p['placement']} placement), "
+        f"schedule {p['schedule']}, {p['microbatches']} micro-batches (idle {p['bubble_fraction']:.0%} of each step)"
+    ]
+    if d["dp_replicate"] > 1:
+        parts.append(f"each stage replicated over dp_replicate={d['dp_replicate']}")
+    parts.append(f"FSDP shards each stage over {d['dp_shard']} ranks" if d["dp_shard"] > 1 else "no FSDP sharding")
+    if d["tp"] > 1:
+        parts.append(f"TP over {d['tp']} ranks")
+    policy = data["mp_policy"]
+    parts.append("mixed precision off" if policy is None else f"compute {policy['param_dtype']}, reduce {policy['reduce_dtype']}")
+    return "; ".join(parts)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  " + "  ".join("-" * w for w in widths))
+    return lines
+
+
+def _exact(n: int) -> str:
+    return f"{n:,} B"
+
+
+def _memory_lines(data: dict[str, Any]) -> list[str]:
+    stages = data["stages"]
+    optimizer = stages[0]["memory"]["optimizer"]
+    rows = [("stage", "pp rank", "parameters", "gradients", f"optimizer ({optimizer})", "gathered", "accumulated grads", "held")]
+    for s in stages:
+        m = s["memory"]
+        rows.append(
+            (
+                str(s["index"]),
+                str(s["rank"]),
+                _exact(m["params_bytes"]),
+                _exact(m["grads_bytes"]),
+                _exact(m["optimizer_bytes"]),
+                format_bytes(m["gathered_bytes"]),
+                format_bytes(m["accumulated_grads_bytes"]),
+                format_bytes(m["held_bytes"]),
+            )
+        )
+    lines = ["memory per rank of each stage (rank 0's shards of the stage; activations not counted):", *_table(rows)]
+    lines.append(
+        "(parameters, gradients, optimizer: exact, FSDP padding included; gathered: every unit of the stage stays "
+        "all-gathered through the step; accumulated grads: its unsharded gradients in the reduce dtype, kept until "
+        "the one reduce-scatter after the last micro-batch; held: all of these together)"
+    )
+    if any(len(r["stages"]) > 1 for r in data["ranks"]):
+        for r in data["ranks"]:
+            m = r["memory"]
+            lines.append(
+                f"  pp rank {r['rank']} (stages {', '.join(map(str, r['stages']))}): parameters {_exact(m['params_bytes'])}, "
+                f"gradients {_exact(m['grads_bytes'])}, optimizer {_exact(m['optimizer_bytes'])}, held {format_bytes(m['held_bytes'])}"
+            )
+    return lines
+
+
+def _trace_lines(data: dict[str, Any]) -> list[str]:
+    stages = data["stages"]
+    first = stages[0]["memory"]
+    p = data["pipeline"]
+    rows = [("stage", "in flight", "activations", "per micro-batch", "p2p buffers", "peak", "at")]
+    for s in stages:
+        m = s["memory"]
+        rows.append(
+            (
+                str(s["index"]),
+                str(m["in_flight_microbatches"]),
+                format_bytes(m["activations_bytes"]),
+                format_bytes(m["activations_per_microbatch_bytes"]),
+                format_bytes(m["p2p_buffer_bytes"]),
+                f"{format_bytes(m['peak_bytes'])} ({_exact(m['peak_bytes'])})",
+                m["peak_at"],
+            )
+        )
+    top = data["memory"]
+    peak = stages[top["peak_stage"]]["memory"]
+    breakdown = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(peak["peak_breakdown"].items(), key=lambda kv: -kv[1]))
+    lines = [
+        "",
+        f"one training step of each stage traced ({p['schedule']}: {p['microbatches']} micro-batches of "
+        f"{first['microbatch']} x seq {first['seq']} per data-parallel rank; forwards and backwards in the schedule's "
+        "order, one reduce-scatter after the last, AdamW step; FakeTensorMode, FSDPMemTracker):",
+        *_table(rows),
+        "(activations: the most saved for backward at the end of a forward, with the micro-batches then in flight; "
+        "p2p buffers: torch's receive buffers, one input and one output gradient per micro-batch, kept for the job)",
+        f"  peak stage  {top['peak_stage']} on pp rank {top['pp_rank']}: {format_bytes(top['peak_bytes'])} "
+        f"({_exact(top['peak_bytes'])}) in the {top['peak_at']}",
+        f"  at the peak {breakdown}",
+    ]
+    lines += [f"  estimated   stage {s['index']}: {n}" for s in stages for n in s["memory"]["estimated"]]
+    return lines
+
+
+def render_pipeline(data: dict[str, Any], p: Plan) -> str:
+    """The text report of :func:`pipeline_report`: the Plan (its stage table
+    and every stage's plan), then each stage's memory per rank."""
+    mesh = ", ".join(f"{k}={v}" for k, v in data["mesh"].items())
+    lines = [f"warning: {w}" for w in data["warnings"]] + [
+        f"fsdptx plan: {data['model']} on a fake mesh {mesh} ({data['world_size']} ranks)",
+        _mesh_line(data),
+        _APPLIED[data["applied"]],
+        "",
+    ]
+    plan_text = str(p).splitlines()
+    lines += [line for line in plan_text if not line.startswith("warning")]
+    lines += ["", *_memory_lines(data)]
+    if "peak_stage" in data["memory"]:
+        lines += _trace_lines(data)
+    return "\n".join(lines)
+
+
+def run_pipeline_plan(
+    args: argparse.Namespace,
+    model: nn.Module,
+    name: str,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    config: Any,
+    batch_seq: tuple[int, int] | None,
+    report: Report,
+) -> str:
+    """``plan`` with a ``pp`` axis: the pipelined dry run, its report as
+    text or (``--json``) JSON. ``config`` carries ``pipeline_parallel``."""
+    try:
+        run = pipeline_dry_run(model, shape, names, config, batch_seq=batch_seq, batch_given=args.batch is not None)
+    except (ValueError, PlanningError) as e:  # the planner's own message names what to change
+        raise UsageError(f"cannot plan {name}: {_one_line(e)}") from None
+    data = pipeline_report(name, shape, names, run, args.optimizer, report, offload=args.offload)
+    if args.json:
+        return json.dumps({**data, "plan": plan_document(run.plan)}, indent=2)
+    return render_pipeline(data, run.plan)

@@ -1,0 +1,129 @@
+"""A traced step at other sizes of its sharded parts.
+
+A trace (:mod:`fsdptx.cli._trace`) is one step at one FSDP shard count.
+What a rank holds at each moment splits into parts no shard count changes
+(gathered parameters, unsharded gradients, activations, TP buffers) and
+parts that are one shard of something: the sharded parameters, gradients
+and optimizer state, but also FSDP's reduce-scatter output, the
+compute-dtype copy of a shard before its all-gather and the optimizer
+step's per-shard temporaries, which the tracker files under activations
+and temporaries. So two uses:
+
+- :func:`rescale`: the same mesh with the sharded parameters, gradients
+  and optimizer state sized differently (another optimizer, offload,
+  exact padding), the other categories kept;
+- :func:`at_shard_count`: another shard count, from traces of the same
+  step at two shard counts: every category of every sample is a fixed part
+  plus a part that goes as one over the shard count, and two traces give
+  both. ``--fit`` uses it so that one pair of traces stands for every
+  larger shard count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from ._report import OPTIMIZER_STATES, ParamShard
+from ._trace import Sample, Trace
+
+__all__ = ["at_shard_count", "rescale", "steady_bytes", "traced_steady"]
+
+
+def steady_bytes(shards: Mapping[str, ParamShard], optimizer: str) -> tuple[int, int, int]:
+    """Exact per-rank (params, grads, optimizer state) of rank 0's shards."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
+    params = sum(s.local_numel * s.dtype.itemsize for s in shards.values())
+    grads = sum(s.local_numel * s.dtype.itemsize for s in shards.values() if s.requires_grad)
+    states = OPTIMIZER_STATES[optimizer] * 4 * sum(s.local_numel for s in shards.values() if s.requires_grad)
+    return params, grads, states
+
+
+def traced_steady(trace: Trace) -> tuple[int, int, int]:
+    """(sharded params, sharded grads once all are reduced, optimizer state)
+    as traced: params and state as the step starts (the optimizer step's
+    temporaries also count as optimizer state), gradients at their most
+    before the optimizer step."""
+    first = trace.samples[0].bytes if trace.samples else {}
+    grads = max((s.bytes.get("sharded_grads", 0) for s in trace.samples if s.phase != "optimizer"), default=0)
+    return first.get("sharded_params", 0), grads, first.get("optimizer_state", 0)
+
+
+def rescale(
+    trace: Trace, *, traced: tuple[int, int, int], target: tuple[int, int, int]
+) -> tuple[int, int, dict[str, int]]:
+    """Peak of ``trace`` when the sharded parts are ``target`` instead of ``traced``.
+
+    Every sample is recomputed with sharded parameters and optimizer state
+    scaled to the target totals and sharded gradients scaled in proportion
+    (the fraction of gradients already reduced at that moment is kept).
+    The other categories are kept as traced. Returns (peak, sample index,
+    breakdown)."""
+    keys = ("sharded_params", "sharded_grads", "optimizer_state")
+    factors = {k: (t / s if s else 0.0) for k, s, t in zip(keys, traced, target)}
+    best, best_i, best_bytes = -1, 0, {}
+    for i, sample in enumerate(trace.samples):
+        scaled = {k: int(round(v * factors[k])) if k in factors else v for k, v in sample.bytes.items()}
+        total = sum(scaled.values())
+        if total > best:
+            best, best_i, best_bytes = total, i, scaled
+    return best, best_i, best_bytes
+
+
+def _between(a: int, a_shards: int, b: int, b_shards: int, shards: int) -> int:
+    """``f + g / shards`` through ``(a_shards, a)`` and ``(b_shards, b)``,
+    in integers: ``a + (b - a) * (1/shards - 1/a_shards) / (1/b_shards - 1/a_shards)``."""
+    num = (b - a) * b_shards * (a_shards - shards)
+    den = shards * (a_shards - b_shards)
+    return max(0, a + round(num / den))
+
+
+def at_shard_count(a: Trace, a_shards: int, b: Trace, b_shards: int, shards: int) -> Trace:
+    """The step of ``a`` and ``b`` (the same step traced at ``a_shards`` and
+    ``b_shards`` FSDP ranks) at ``shards`` ranks.
+
+    Sample by sample and category by category, bytes are ``f + g / n`` at
+    ``n`` shards; the two traces give ``f`` and ``g``. Exact where no
+    parameter's dim 0 pads at any of the three shard counts (FSDP pads a
+    shard to the rounded-up share); otherwise off by that padding.
+    Collectives and the activations are interpolated the same way.
+
+    Raises:
+        ValueError: the two traces are not the same step (their operators,
+            units, phases or collectives differ), or the shard counts are
+            not distinct positive ints.
+    """
+    if len({a_shards, b_shards}) != 2 or min(a_shards, b_shards, shards) < 1:
+        raise ValueError(
+            f"at_shard_count: needs two distinct shard counts and a positive target, got {a_shards}, "
+            f"{b_shards} -> {shards}"
+        )
+    steps_a = [(s.phase, s.unit) for s in a.samples]
+    steps_b = [(s.phase, s.unit) for s in b.samples]
+    colls_a = [(c.op, c.source, c.phase, c.unit) for c in a.collectives]
+    colls_b = [(c.op, c.source, c.phase, c.unit) for c in b.collectives]
+    if steps_a != steps_b or colls_a != colls_b:
+        raise ValueError(
+            f"the steps traced at {a_shards} and {b_shards} FSDP shards differ ({len(steps_a)} and {len(steps_b)} "
+            f"operators, {len(colls_a)} and {len(colls_b)} collectives), so neither stands for {shards} shards"
+        )
+
+    def fit(x: int, y: int) -> int:
+        return _between(x, a_shards, y, b_shards, shards)
+
+    samples = tuple(
+        Sample(
+            sb.index,
+            sb.phase,
+            sb.unit,
+            {k: fit(sa.bytes.get(k, 0), sb.bytes.get(k, 0)) for k in dict.fromkeys([*sa.bytes, *sb.bytes])},
+        )
+        for sa, sb in zip(a.samples, b.samples)
+    )
+    collectives = tuple(
+        dataclasses.replace(cb, bytes=fit(ca.bytes, cb.bytes)) for ca, cb in zip(a.collectives, b.collectives)
+    )
+    return dataclasses.replace(
+        b, samples=samples, collectives=collectives, activations=fit(a.activations, b.activations)
+    )

@@ -1,0 +1,95 @@
+"""``fsdptx.estimate_memory`` checks everything it can before it plans:
+a refused call names itself and the argument, and leaves the model as it
+was (it would otherwise consume it: its tensors become fake)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdptx
+from fsdptx.manager import FSDP2Config, FSDP2Manager
+from fsdptx.presets import build_preset
+from fsdptx.testing import fake_mesh
+
+import moe_ep_model
+from unchanged import assert_unchanged, state_of
+
+
+def _llama() -> nn.Module:
+    with torch.device("meta"):
+        return build_preset("llama", 1)
+
+
+SP = FSDP2Config(sequence_parallel=True)
+
+# name -> (model, mesh shape, mesh names, config, keyword arguments, error type, message)
+CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], tuple[str, ...], FSDP2Config, dict[str, Any], type[Exception], str]] = {
+    "unknown optimizer": (
+        _llama, (2,), ("dp",), FSDP2Config(), {"optimizer": "lion"},
+        ValueError, "estimate_memory: optimizer must be one of adamw, sgd, none, got 'lion'",
+    ),
+    "batch as a string": (
+        _llama, (2,), ("dp",), FSDP2Config(), {"batch": "1"},
+        TypeError, "estimate_memory: batch must be a positive int, got '1'",
+    ),
+    "seq as a float": (
+        _llama, (2,), ("dp",), FSDP2Config(), {"seq": 64.0},
+        TypeError, "estimate_memory: seq must be a positive int, got 64.0",
+    ),
+    "seq as a bool": (
+        _llama, (2,), ("dp",), FSDP2Config(), {"seq": True},
+        TypeError, "estimate_memory: seq must be a positive int, got True",
+    ),
+    "batch of zero": (
+        _llama, (2,), ("dp",), FSDP2Config(), {"batch": 0},
+        ValueError, "estimate_memory: batch must be positive, got 0",
+    ),
+    "sequence not divisible by tp under SP": (
+        _llama, (2, 2), ("dp", "tp"), SP, {"seq": 63},
+        ValueError, "estimate_memory: seq=63 is not divisible by the tensor-parallel size 2",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_bad_argument_is_refused_before_the_model_is_touched(name: str) -> None:
+    build, shape, names, config, kwargs, error, message = CASES[name]
+    model = build()
+    before = state_of(model)
+    with fake_mesh(shape, names) as mesh, pytest.raises(error, match=message):
+        fsdptx.estimate_memory(FSDP2Manager(config, mesh), model, **{"batch": 1, "seq": 64, **kwargs})
+    assert_unchanged(before, state_of(model))
+
+
+def test_something_that_is_not_a_manager_is_named() -> None:
+    model = _llama()
+    before = state_of(model)
+    with pytest.raises(TypeError, match="estimate_memory: manager must be an fsdptx.FSDP2Manager, got FSDP2Config"):
+        fsdptx.estimate_memory(FSDP2Config(), model)  # type: ignore[arg-type]
+    assert_unchanged(before, state_of(model))
+
+
+def test_a_model_without_a_token_embedding_is_refused_before_planning() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    before = state_of(model)
+    with fake_mesh((2,), ("dp",)) as mesh, pytest.raises(TypeError, match="estimate_memory: Sequential has no nn.Embedding"):
+        fsdptx.estimate_memory(FSDP2Manager(FSDP2Config(), mesh), model, batch=1, seq=8)
+    assert_unchanged(before, state_of(model))
+
+
+def test_experts_split_across_ep_are_refused_until_the_trace_runs_their_dispatch() -> None:
+    with torch.device("meta"):
+        model = moe_ep_model.build()
+    before = state_of(model)
+    with fake_mesh((4,), ("dp_shard",)) as mesh:
+        moe = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+        with pytest.raises(ValueError, match=r"estimate_memory: the moe_mesh splits the experts across ep=2 ranks.*token dispatch"):
+            fsdptx.estimate_memory(FSDP2Manager(FSDP2Config(), mesh, moe), model, batch=1, seq=8)
+    assert_unchanged(before, state_of(model))
