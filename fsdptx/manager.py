@@ -5,43 +5,36 @@ The manager is a pipeline of transforms plus :func:`fsdptx.apply_plan`,
 nothing else: ``manager.plan(model)`` is the pure dry run and
 ``manager.parallelize(model)`` applies exactly that Plan, so what a job will
 do can be printed, diffed and tested before any rank touches a GPU.
+
+The config and its checks live in :mod:`fsdptx._manager_config`, and
+:func:`gradient_sync_context` in :mod:`fsdptx._manager_sync`; both are
+re-exported here, the place they are imported from.
 """
 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import logging
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor.parallel import ParallelStyle
 
+# CheckpointSetting and FrozenMapping (the type of FSDP2Config.tp_plan) stay importable from here.
+from ._manager_config import CheckpointSetting, FSDP2Config, FrozenMapping
+from ._manager_sync import gradient_sync_context
 from .apply._apply import apply_indexed
 from .apply._pipeline import LossFn, PipelineStages, apply_pipeline
 from .compat._imperative import reject_unsupported_mtp_cp, reject_unsupported_mtp_cp_pp
 from .core._args import require_module
-from .core._names import name_tokens
 from .core._meshes import ParallelDims, ep_size, moe_dp_dims, parallel_dims, tp_mesh
-from .core._policy import check_policy_dtypes
-from .core._torch_internals import (
-    enable_symmetric_memory,
-    fsdp_is_root,
-    fsdp_param_groups,
-    fsdp_state,
-    micro_pipeline_tp,
-    set_micro_pipeline_tp,
-)
+from .core._torch_internals import enable_symmetric_memory, micro_pipeline_tp, set_micro_pipeline_tp
 from .hf._patches import patch_is_packed_sequence
 from .plan._plan import Plan
 from .model._index import ModelIndex, PlanningError, discover_blocks, resolve_blocks
 from .plan._compose import Transform, compose, plan_indexed
+# PipelineParallelConfig is re-exported: FSDP2Config(pipeline_parallel=...) takes one, and
+# callers import both from here.
 from .plan._stages import PipelineParallelConfig, plan_pipeline
 from .plan.transforms import (
     checkpoint_activations,
@@ -58,269 +51,6 @@ from .tp import check_tensor_parallel, tensor_parallel, without_tensor_parallel
 __all__ = ["FSDP2Config", "FSDP2Manager", "gradient_sync_context", "patch_is_packed_sequence"]
 
 logger = logging.getLogger(__name__)
-
-CheckpointSetting = bool | Literal["full", "selective"]
-
-_BF16_POLICY = MixedPrecisionPolicy(
-    param_dtype=torch.bfloat16,
-    reduce_dtype=torch.float32,
-    output_dtype=torch.bfloat16,
-    cast_forward_inputs=True,
-)
-
-
-_V = TypeVar("_V")
-
-
-class FrozenMapping(Mapping[str, _V]):
-    """A read-only, hashable mapping: what ``FSDP2Config.tp_plan`` stores, so
-    the frozen config is frozen all the way down (a dict given at
-    construction can be changed afterwards by whoever kept it) and hashes
-    (``MappingProxyType`` does not). Items are kept sorted by key, so two
-    plans with the same entries are equal and hash alike whatever order they
-    were written in. Values are hashed by identity where they define no
-    hash of their own (torch ``ParallelStyle`` objects)."""
-
-    __slots__ = ("_items", "_lookup")
-
-    def __init__(self, source: Mapping[str, _V]) -> None:
-        self._items: tuple[tuple[str, _V], ...] = tuple(sorted(source.items(), key=lambda kv: kv[0]))
-        self._lookup: dict[str, _V] = dict(self._items)
-
-    def __getitem__(self, key: str) -> _V:
-        return self._lookup[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return (k for k, _v in self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __hash__(self) -> int:
-        return hash(tuple((k, _hashable(v)) for k, v in self._items))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Mapping):
-            return dict(self._items) == dict(other.items())
-        return NotImplemented
-
-    def __repr__(self) -> str:
-        return f"FrozenMapping({dict(self._items)!r})"
-
-
-def _hashable(value: object) -> object:
-    try:
-        hash(value)
-    except TypeError:
-        return id(value)
-    return value
-
-
-def _check_tp_plan(plan: object) -> FrozenMapping[str | ParallelStyle] | None:
-    """``tp_plan`` as an immutable mapping, every entry checked now: a
-    non-string key, a style that is neither one of
-    :data:`fsdptx.tp.STYLE_NAMES` nor a torch ``ParallelStyle`` (an int, a
-    typo, ``None``) fails at construction, naming the entry, instead of at
-    the first TP plan resolution on every rank."""
-    if plan is None:
-        return None
-    if not isinstance(plan, Mapping):
-        raise TypeError(f"FSDP2Config.tp_plan must be a mapping of module glob -> style, got {plan!r}")
-    from .tp import EXPERT_PARAM_STYLES, EXPERTS_STYLE, STYLE_NAMES
-
-    # Names a module or an expert weight may get: the experts' own are
-    # meaningful only together (checked per module when the plan resolves).
-    names = tuple(sorted({*STYLE_NAMES, EXPERTS_STYLE, *EXPERT_PARAM_STYLES}))
-
-    for key, style in plan.items():
-        if not isinstance(key, str):
-            raise TypeError(
-                f"FSDP2Config.tp_plan: key {key!r} must be a module glob (str), got {type(key).__name__}"
-            )
-        if isinstance(style, ParallelStyle):
-            continue
-        if not isinstance(style, str):
-            raise TypeError(
-                f"FSDP2Config.tp_plan[{key!r}]: style must be a style name or a torch ParallelStyle, "
-                f"got {style!r}; use one of {', '.join(names)}"
-            )
-        if style not in names:
-            close = difflib.get_close_matches(style, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(
-                f"FSDP2Config.tp_plan[{key!r}]: unknown style {style!r}{hint} "
-                f"(names: {', '.join(names)}, or a torch ParallelStyle)"
-            )
-    return FrozenMapping(plan)
-
-
-@dataclass(frozen=True)
-class FSDP2Config:
-    """Settings of :class:`FSDP2Manager`.
-
-    The reference page lists these fields without their defaults; the
-    defaults here are fsdptx's own choices (see ``docs/manager.md``).
-
-    ``mp_policy=None`` means mixed precision disabled: every unit computes
-    in its storage dtype. (The reference silently substitutes a bf16 policy
-    for ``None``; fsdptx does not, so fp32 parity runs are possible.) The
-    default is bf16 compute, fp32 gradient reduction, bf16 output.
-
-    ``activation_checkpointing``: ``False``, ``True`` (same as ``"full"``),
-    ``"full"`` or ``"selective"``. ``reshard_after_forward=None`` lets the
-    reshard policy decide (blocks but the last reshard, the root never,
-    nothing under pipeline parallelism). Prefetch depths are how many
-    blocks ahead each block all-gathers. Invalid values fail here, naming
-    the field, so a typo in a launcher fails before any process group work.
-
-    ``tp_plan`` maps module globs to style names (:data:`fsdptx.tp.STYLE_NAMES`)
-    or torch ``ParallelStyle`` objects; it is checked entry by entry here
-    and stored as a read-only, hashable mapping, so the config stays frozen
-    and hashable. ``mp_policy`` dtypes must be floating.
-
-    ``defer_fsdp_grad_sync`` is the ``defer`` of :meth:`FSDP2Manager.gradient_sync_context`,
-    the one place it is read: with ``True`` gradient accumulation
-    reduce-scatters only on the micro-batch that ends the optimizer step,
-    with ``False`` on every micro-batch. The module-level
-    :func:`gradient_sync_context` reads no config (``defer=True`` unless
-    passed).
-
-    Beyond the reference: ``expert_modules`` (globs of expert modules,
-    sharded over ``moe_mesh``; default: what the model declares; given
-    without a ``moe_mesh`` it has no effect, and the manager logs a warning
-    saying so), ``cross_block_modules`` (block-relative names whose fp32
-    holders become one unit across all blocks, e.g. ``("self_attn",)`` for
-    GPT-OSS sinks; default: the model's ``_fsdp_shard_across_blocks``),
-    ``blocks`` (the model's blocks as class names, FQNs or globs such as
-    ``"layers.*"``; default: ``_no_split_modules``, else the largest
-    ``nn.ModuleList`` or ``nn.ModuleDict`` of same-class children) and
-    ``loss_parallel`` (with tensor parallelism, the head's logits stay
-    vocabulary-sharded DTensors; compute the loss under
-    :func:`fsdptx.loss_parallel`).
-
-    The mixed-precision policy applies on every mesh: with one
-    data-parallel rank each block is still an FSDP unit (on a size-1
-    data-parallel mesh), which is what casts it; the Plan's warnings say
-    so. The reference does the same with a ``tp`` dim, but skips FSDP (and
-    so the cast) on a world of one rank; ``mp_policy=None`` with no
-    ``offload_policy`` gives that (no units; checkpointing still applies).
-
-    Deliberately absent: ``activation_checkpointing_scope``,
-    ``autocast_dtype`` and ``multimodal``. The reference pages fsdptx is
-    modelled on do not define them, so there is no behaviour to match;
-    ``activation_checkpointing`` covers the blocks, and ``mp_policy`` is
-    the one place compute dtypes are set (no autocast).
-
-    Attributes:
-        sequence_parallel: run the blocks on the sequence shard (needs a
-            ``tp`` dim).
-        tp_plan: module glob -> style name or torch ``ParallelStyle``; the
-            model's declared plan when ``None``.
-        patch_is_packed_sequence: apply :func:`patch_is_packed_sequence`.
-        mp_policy: the mixed-precision policy; ``None`` means disabled.
-        offload_policy: every unit's offload policy.
-        activation_checkpointing: ``False``, ``True``, ``"full"`` or
-            ``"selective"``.
-        defer_fsdp_grad_sync: the default ``defer`` of gradient accumulation.
-        reshard_after_forward: ``None`` (the reshard policy), a bool or a
-            group size.
-        enable_async_tensor_parallel: overlap the sequence collectives with
-            the matmuls (needs ``sequence_parallel`` and CUDA).
-        enable_compile: ``torch.compile`` each block.
-        enable_fsdp2_prefetch: chain explicit prefetches between blocks.
-        fsdp2_backward_prefetch_depth: blocks all-gathered ahead in backward.
-        fsdp2_forward_prefetch_depth: blocks all-gathered ahead in forward.
-        expert_modules: globs of expert modules (a bare string is one glob).
-        cross_block_modules: holders made one unit across blocks (a bare
-            string is one name).
-        blocks: the model's blocks (a bare string is one name or glob).
-        loss_parallel: keep the head's logits vocabulary-sharded.
-        pipeline_parallel: split the model into pipeline stages over the
-            mesh's ``pp`` dim (:class:`fsdptx.PipelineParallelConfig`);
-            :meth:`FSDP2Manager.parallelize` then returns
-            :class:`fsdptx.PipelineStages`.
-
-    Example::
-
-        config = fsdptx.FSDP2Config(sequence_parallel=True, activation_checkpointing="selective")
-        model = fsdptx.FSDP2Manager(config, mesh).parallelize(model)
-    """
-
-    sequence_parallel: bool = False
-    tp_plan: Mapping[str, str | ParallelStyle] | None = None
-    patch_is_packed_sequence: bool = False
-    mp_policy: MixedPrecisionPolicy | None = field(default_factory=lambda: _BF16_POLICY)
-    offload_policy: OffloadPolicy | None = None
-    activation_checkpointing: CheckpointSetting = False
-    defer_fsdp_grad_sync: bool = True
-    reshard_after_forward: bool | int | None = None
-    enable_async_tensor_parallel: bool = False
-    enable_compile: bool = False
-    enable_fsdp2_prefetch: bool = True
-    fsdp2_backward_prefetch_depth: int = 2
-    fsdp2_forward_prefetch_depth: int = 1
-    expert_modules: tuple[str, ...] | None = None
-    cross_block_modules: tuple[str, ...] | None = None
-    blocks: tuple[str, ...] | None = None
-    loss_parallel: bool = False
-    pipeline_parallel: PipelineParallelConfig | None = None
-
-    def __post_init__(self) -> None:
-        for name in (
-            "sequence_parallel",
-            "patch_is_packed_sequence",
-            "defer_fsdp_grad_sync",
-            "enable_async_tensor_parallel",
-            "enable_compile",
-            "enable_fsdp2_prefetch",
-            "loss_parallel",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"FSDP2Config.{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("fsdp2_backward_prefetch_depth", "fsdp2_forward_prefetch_depth"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 0:
-                raise ValueError(f"FSDP2Config.{name} must be a non-negative int, got {value!r}")
-        ac = self.activation_checkpointing
-        if not (isinstance(ac, bool) or ac in ("full", "selective")):
-            raise ValueError(
-                f"FSDP2Config.activation_checkpointing must be False, True, 'full' or 'selective', got {ac!r}"
-            )
-        if self.enable_async_tensor_parallel and not self.sequence_parallel:
-            raise ValueError(
-                "FSDP2Config.enable_async_tensor_parallel needs sequence_parallel=True: async TP overlaps "
-                "the sequence all-gather / reduce-scatter with the matmuls next to them"
-            )
-        if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
-            raise TypeError(f"FSDP2Config.mp_policy must be a MixedPrecisionPolicy or None, got {self.mp_policy!r}")
-        if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
-            raise TypeError(f"FSDP2Config.offload_policy must be an OffloadPolicy or None, got {self.offload_policy!r}")
-        r = self.reshard_after_forward
-        if not (r is None or isinstance(r, bool) or (type(r) is int and r >= 1)):
-            raise ValueError(f"FSDP2Config.reshard_after_forward must be None, a bool or an int >= 1, got {r!r}")
-        if self.pipeline_parallel is not None and not isinstance(self.pipeline_parallel, PipelineParallelConfig):
-            raise TypeError(
-                f"FSDP2Config.pipeline_parallel must be an fsdptx.PipelineParallelConfig or None, got {self.pipeline_parallel!r}"
-            )
-        object.__setattr__(self, "tp_plan", _check_tp_plan(self.tp_plan))
-        check_policy_dtypes(self.mp_policy, "FSDP2Config")
-        for name in ("expert_modules", "cross_block_modules", "blocks"):
-            value = getattr(self, name)
-            if value is not None:
-                # Stored as a tuple (the config stays hashable); a bare string is one name.
-                names = name_tokens(value, f"FSDP2Config.{name}")
-                if "" in names:
-                    raise ValueError(
-                        f"FSDP2Config.{name} holds an empty name in {names!r}; give module names or globs "
-                        "(an empty one would match the root or every module)"
-                    )
-                object.__setattr__(self, name, names)
-
-    @property
-    def checkpoint_mode(self) -> Literal["full", "selective"] | None:
-        ac = self.activation_checkpointing
-        return None if ac is False else ("full" if ac is True else ac)
-
 
 _CONFIG_ATTRIBUTES = frozenset(
     {
@@ -680,105 +410,3 @@ def _enable_async_tp(mesh: DeviceMesh) -> bool:
     except (ImportError, RuntimeError) as e:
         logger.warning("async tensor parallel: symmetric memory not enabled for the TP group (%s)", e)
     return previous
-
-
-@contextlib.contextmanager
-def gradient_sync_context(model: nn.Module, is_optimizer_step: bool, *, defer: bool = True) -> Iterator[None]:
-    """Run one micro-batch's backward inside this context.
-
-    With ``defer``, FSDP reduce-scatters gradients only on the micro-batch
-    that ends the optimizer step (``is_optimizer_step=True``); the others
-    accumulate unsharded gradients locally, so N micro-batches cost one
-    reduce-scatter per unit instead of N. Without ``defer`` every micro-batch
-    reduces (less memory, more communication). A model with no FSDP unit is
-    left alone.
-
-    On exit every unit gets back the sync setting it had on entry (not
-    "on"): nested contexts then compose, and a unit whose sync the user had
-    turned off stays off. Arguments are checked before any unit changes.
-
-    ``model`` must be the whole model: a block (or the list of blocks) of a
-    larger FSDP model is refused, since deferring it alone would leave the
-    units outside it reducing on every micro-batch. FSDP knows which unit
-    is the root only from the first forward on, so a part given to the
-    first context is refused when that context exits, and on entry after.
-
-    Args:
-        model: the (partly) FSDP-sharded model.
-        is_optimizer_step: whether this micro-batch ends the optimizer step.
-        defer: whether to skip the reduce-scatter on the other micro-batches.
-
-    Yields:
-        Nothing; the backward runs inside.
-
-    Raises:
-        TypeError: ``is_optimizer_step`` or ``defer`` is not a bool.
-        RuntimeError: ``model`` is part of a larger FSDP model.
-
-    Example::
-
-        for i, batch in enumerate(micro_batches):
-            with fsdptx.gradient_sync_context(model, is_optimizer_step=i == len(micro_batches) - 1):
-                model(batch).sum().backward()
-    """
-    require_module(model, "model", "gradient_sync_context")
-    if not isinstance(is_optimizer_step, bool):
-        raise TypeError(
-            f"gradient_sync_context: is_optimizer_step must be a bool (True on the micro-batch that ends "
-            f"the optimizer step), got {type(is_optimizer_step).__name__} {is_optimizer_step!r}"
-        )
-    if not isinstance(defer, bool):
-        raise TypeError(f"gradient_sync_context: defer must be a bool, got {type(defer).__name__} {defer!r}")
-    states = _fsdp_states(model)
-    _refuse_a_part(model, states)
-    groups = [g for state in states for g in fsdp_param_groups(state)]
-    if not defer or not groups:
-        yield
-        return
-    saved = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
-    for g in groups:
-        g.reduce_grads = is_optimizer_step
-        g.all_reduce_grads = is_optimizer_step
-    try:
-        yield
-    finally:
-        for g, reduce_grads, all_reduce_grads in saved:
-            g.reduce_grads = reduce_grads
-            g.all_reduce_grads = all_reduce_grads
-    # The first forward is where FSDP decides which unit is the root: a
-    # part of a larger model is only known as one after it (see _refuse_a_part).
-    _refuse_a_part(model, states)
-
-
-def _refuse_a_part(model: nn.Module, states: list[Any]) -> None:
-    """Refuse a ``model`` that is part of a larger FSDP model (a block, or a
-    container of blocks, whose root unit is outside it): deferring it alone
-    would leave every unit outside it reduce-scattering on each micro-batch.
-    FSDP marks every unit under the root as not the root at the first
-    forward, so a part is known from then on; before it, a part cannot be
-    told from a whole model, and the check after the first context's body
-    catches it (its backward ran, and is correct, only not deferred for the
-    units outside)."""
-    if states and all(fsdp_is_root(s) is False for s in states):
-        raise RuntimeError(
-            f"gradient_sync_context: model ({type(model).__name__}) is part of a larger FSDP model: its "
-            "units' root is outside it, so deferring it alone would leave the rest of the model "
-            "reduce-scattering on every micro-batch; pass the whole model (what parallelize returned)"
-        )
-
-
-def _fsdp_states(model: nn.Module) -> list[Any]:
-    """Each FSDP state under ``model`` once (a unit spanning several modules
-    shares one), in module order. Its parameter groups are where FSDP2
-    keeps the flags ``set_requires_gradient_sync`` sets, ``reduce_grads``
-    and ``all_reduce_grads``, so they can be read back and restored."""
-    seen: set[int] = set()
-    states: list[Any] = []
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            state = fsdp_state(m)
-            if id(state) not in seen:
-                seen.add(id(state))
-                states.append(state)
-    return states
-

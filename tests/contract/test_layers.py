@@ -41,6 +41,8 @@ def layer_of(module: str) -> str:
     top = parts[1]
     if top == "_contract":  # the contract's names, which fsdptx/__init__.py loads on first use
         return "contract"
+    if top.startswith("_manager_"):  # the manager's private parts (its config, gradient sync)
+        return "manager"
     if top == "__main__":
         return "cli"
     if top == "presets":

@@ -6,9 +6,13 @@ those requests into the units ``fully_shard`` will be called with, as pure
 functions of the model. Files, lowest first (each imports only those before
 it):
 
-- ``_resolver``: the per-resolution state (``_Resolver``), what
-  ``fully_shard`` would claim (``claim``), dtype keys and unit policies, the
-  survey and the descent, and ``_plan_target`` (one block or the root);
+- ``_claim``: what ``fully_shard`` would claim (``claim``) and reach (the
+  survey);
+- ``_keys``: dtype keys (``param_keys``) and unit policies (``unit_policy``);
+- ``_resolver``: the per-resolution state (``_Resolver``) units are
+  recorded in;
+- ``_target``: the target's survey, the descent, and ``_plan_target`` (one
+  block or the root);
 - ``_replay``: block replay (``_BlockReplay``), the optional fast path,
   reached only through ``plan_dtype_units`` and off under
   ``fsdptx.caches(enabled=False)``;
@@ -21,7 +25,7 @@ Other modules need only ``resolve_units`` (``plan._compose``, ``compat``)
 and ``claim`` (``apply``'s checks).
 """
 
-from ._resolver import claim
+from ._claim import claim
 from ._units import resolve_units
 
 __all__ = ["claim", "resolve_units"]

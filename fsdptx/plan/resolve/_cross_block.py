@@ -16,7 +16,9 @@ from torch import nn
 from ...core._tree import get_module_from_path
 from ...model._index import PlanningError, unwrap_checkpoint
 from .._types import preview
-from ._resolver import _non_fp32, _Resolver, _split_children, claim
+from ._claim import claim
+from ._resolver import _Resolver
+from ._target import _non_fp32, _split_children
 
 
 def plan_cross_block_units(

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from ...model._index import ModelIndex, PlanningError
 from .._types import DtypeRequest
 from ._replay import _BlockReplay
-from ._resolver import _plan_target, _Resolver, _shardable
+from ._resolver import _Resolver
+from ._target import _plan_target, _shardable
 
 
 def plan_dtype_units(r: _Resolver, request: DtypeRequest, *, replay_blocks: bool = True) -> None:

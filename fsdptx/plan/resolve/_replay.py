@@ -1,7 +1,7 @@
 """Block replay: the optional fast path of dtype planning.
 
 Real models repeat one block class many times; :class:`_BlockReplay` plans
-the first block of a shape in full (:func:`~._resolver._plan_target`) and
+the first block of a shape in full (:func:`~._target._plan_target`) and
 replays its units for every later block of the same shape. It is reached
 through one function only, :func:`~._dtype_units.plan_dtype_units`, and is
 switched off with ``fsdptx.caches(enabled=False)`` (``replay_blocks``), so
@@ -17,7 +17,8 @@ from typing import Any
 
 from ...model._index import ModelIndex
 from .._types import Unit
-from ._resolver import _plan_target, _Resolver
+from ._resolver import _Resolver
+from ._target import _plan_target
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from ...model._index import ModelIndex
 from .._types import CrossBlockRequest, DtypeRequest, Unit
 from ._cross_block import plan_cross_block_units
 from ._dtype_units import plan_dtype_units
-from ._resolver import _Resolver, low_precision_bulk, param_keys
+from ._keys import low_precision_bulk, param_keys
+from ._resolver import _Resolver
 
 __all__ = ["resolve_units"]
 
