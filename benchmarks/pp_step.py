@@ -26,7 +26,7 @@ micro-batches. Two schedules: ``1F1B`` (one stage per rank) and
   tokens and divides by the global token count instead: the same gradient).
 
 Per round and method one fresh spawn of 4 processes (so peak RSS is the
-method's own). Both build the model from the same seed and train on the same
+method's own), the method going first alternating from round to round. Both build the model from the same seed and train on the same
 tokens; the loss of the first two steps (mean over micro-batches and dp
 ranks) shows they agree. After those warm-up steps one step's collectives
 are recorded on rank 0 (count and bytes by op; bytes are the largest tensor
@@ -230,8 +230,9 @@ def main() -> None:
         rss: list[float] = []
         idle: dict[str, list[float]] = {"fsdptx": [], "torchtitan": []}
         last: dict[str, dict[str, Any]] = {}
-        for _ in range(args.rounds):
-            for method in ("torchtitan", "fsdptx"):
+        for round_ in range(args.rounds):
+            # alternate which method goes first: the load of a shared machine drifts within a round
+            for method in ("torchtitan", "fsdptx")[:: 1 if round_ % 2 == 0 else -1]:
                 ranks = run_distributed(_worker, 4, schedule, method, args.steps, timeout_s=600, collective_timeout_s=120)
                 last[method] = _summary(ranks)
                 idle[method].append(last[method]["idle"])
