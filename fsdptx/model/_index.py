@@ -23,7 +23,7 @@ from ._unit_checks import is_container
 from ._gap import StageGap
 from ._walk import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
 
-__all__ = ["ModelIndex", "PlanningError", "discover_blocks", "empty_containers_note", "kv_cache_configs", "kv_cache_switches", "resolve_blocks"]
+__all__ = ["STAGE_BLOCKS_ATTRIBUTE", "ModelIndex", "PlanningError", "discover_blocks", "empty_containers_note", "kv_cache_configs", "kv_cache_switches", "resolve_blocks"]
 
 _NUMEL = operator.methodcaller("numel")
 
@@ -348,8 +348,17 @@ def empty_containers_note(index: ModelIndex) -> str:
     return f" ({shown} {'holds' if len(empty) == 1 else 'hold'} no modules: the model has zero layers)"
 
 
+# A pipeline stage's module declares the whole model's blocks that it holds
+# (a stage may hold one block, which no container rule could tell).
+STAGE_BLOCKS_ATTRIBUTE = "_fsdptx_stage_blocks"
+
+
 def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[str, ...]:
     """The model's repeated blocks, by the conventions models already declare.
+
+    A pipeline stage's module answers with the blocks it was built to hold
+    (:data:`STAGE_BLOCKS_ATTRIBUTE`): the blocks found in the whole model,
+    so a stage holding a single block still plans it as a block.
 
     ``_no_split_modules`` class names (Hugging Face's marker for "keep this
     module whole") win; a block wrapped for activation checkpointing or by
@@ -362,6 +371,9 @@ def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[
     An empty result means none was found: callers say so.
     """
     idx = index or ModelIndex.build(model)
+    declared = getattr(model, STAGE_BLOCKS_ATTRIBUTE, None)
+    if declared is not None:
+        return tuple(declared)
     class_names = set(name_tokens(getattr(model, "_no_split_modules", None), "_no_split_modules", type(model).__name__))
     if class_names:
         found = _blocks_of_classes(idx, class_names)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ._gap import StageGap
-from ._index import ModelIndex, PlanningError
+from ._index import STAGE_BLOCKS_ATTRIBUTE, ModelIndex, PlanningError
 
 __all__ = ["STAGE_ATTRIBUTE", "PipelineParts", "StageBlocks", "StageGap", "build_stage_module", "pipeline_parts", "stage_of"]
 
@@ -237,7 +237,8 @@ def build_stage_module(
     copies; the parts it holds are ``model``'s own modules (so applying a
     plan to the stage shards them in place); parts it does not hold are left
     out of the block container or replaced by :class:`StageGap`. Its
-    ``forward`` is the model's, returning one tensor.
+    ``forward`` is the model's, returning one tensor. It declares the blocks
+    it holds, so planning the stage finds the blocks the whole model has.
     """
     keep = set(held)
     spine = set(parts.spine)
@@ -268,4 +269,5 @@ def build_stage_module(
     takes_use_cache = "use_cache" in inspect.signature(forward).parameters
     root.forward = functools.partial(_stage_forward, forward, takes_use_cache)
     setattr(root, STAGE_ATTRIBUTE, (stage, num_stages))
+    setattr(root, STAGE_BLOCKS_ATTRIBUTE, tuple(fqn for fqn in parts.blocks if fqn in keep))
     return root

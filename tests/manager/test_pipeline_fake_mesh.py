@@ -153,6 +153,26 @@ def test_the_torchtitan_preset_plans_per_stage_as_shipped() -> None:
     assert {u.compute_dtype for u in _stage_units(planned)} == {torch.bfloat16}
 
 
+@pytest.mark.parametrize("build", [titan, None], ids=["titan", "decoder"])
+def test_a_stage_holding_one_block_plans_it_as_a_block_without_a_warning(build: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Interleaved over 4 layers on pp=2 gives 4 stages of one block each: no
+    container rule finds a block among one child, so each stage is told the
+    blocks the whole model has."""
+    if build is None:
+        model: nn.Module = _decoder(device="meta")
+    else:
+        with torch.device("meta"):
+            model = build(layers=4)
+    with caplog.at_level("WARNING"):
+        planned = _plan(model, pipeline={"schedule": "Interleaved1F1B", "stages_per_rank": 2, "microbatches": 4})
+    assert planned.pipeline is not None and len(planned.pipeline.stages) == 4
+    for layer, stage in enumerate(planned.pipeline.stages):
+        blocks = [u.modules for u in stage.plan.units if u.kind == "block"]
+        assert blocks == [(f"layers.{layer}",)], (stage.index, stage.plan.units)
+        assert not any("no blocks" in w for w in stage.plan.warnings)
+    assert not [r.getMessage() for r in caplog.records if "no blocks" in r.getMessage()]
+
+
 def test_a_hugging_face_llama_plans_per_stage_as_shipped() -> None:
     pytest.importorskip("transformers")
     import hf_zoo
