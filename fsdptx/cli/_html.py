@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ._trace import CATEGORIES, Collective, Sample, where_label
+from ._trace import CATEGORIES, RING_BUFFERS, Collective, Sample, where_label
 
 __all__ = ["render_html", "write_html"]
 
@@ -36,6 +36,7 @@ _COLORS = {
     "temporaries": "#d6a5c9",
     "buffers": "#9d755d",
     "inputs": "#bab0ac",
+    RING_BUFFERS: "#eeca3b",
 }
 _OPS = {"all_gather": "#f58518", "reduce_scatter": "#e45756", "all_reduce": "#54a24b"}
 _PHASES = {"forward": "#eef4fb", "backward": "#fbf0ee", "tp_sync": "#f6f0fb", "optimizer": "#eef8ec"}
@@ -55,7 +56,7 @@ def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], pe
 
     last = max([s.index for s in samples] + [c.index for c in collectives] + [1])
     top = max((s.total for s in samples), default=1) or 1
-    keys = [k for k in CATEGORIES.values() if any(s.bytes.get(k) for s in samples)]
+    keys = [k for k in (*CATEGORIES.values(), RING_BUFFERS) if any(s.bytes.get(k) for s in samples)]
     drawn = _bucketed(samples)
     parts: list[str] = []
     # phase bands

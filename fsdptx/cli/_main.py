@@ -40,6 +40,7 @@ from ..plan._types import reshards_after_forward
 from ..presets import PRESETS
 from ._common import UsageError, _DTYPES, _dtype, _one_line, _rows, mp_policy
 from ._diff import PlanFileError, add_diff_parser, run_diff
+from ._cp import ROTATE_METHODS, cp_seq_error
 from ._memory import disable_kv_cache, memory_json, memory_text
 from ._pipeline import add_pipeline_arguments, pipeline_config, run_pipeline_plan
 from ._report import OPTIMIZER_STATES, PAD_FLAG_RATIO, MemoryPlan, UnitTraffic, memory_plan, step_traffic
@@ -183,7 +184,7 @@ def _mesh_line(data: dict[str, Any]) -> str:
             else "no FSDP sharding (one data-parallel rank)"
         )
     if d["cp"] > 1:
-        parts.append(f"cp={d['cp']} folded into the shard dim")
+        parts.append(f"cp={d['cp']} folded into the shard dim, each CP rank holding seq/{d['cp']} of every activation")
     if d["tp"] > 1:
         parts.append(f"TP over {d['tp']} ranks")
     if d["pp"] > 1:
@@ -413,6 +414,12 @@ def _parser() -> _Parser:
         help="with --fit: split the experts across N ranks in every candidate (MoE mesh "
         "[dp_replicate x] ep_shard x ep, ep taken from dp_shard x tp; default 1: experts in their blocks)",
     )
+    p.add_argument(
+        "--cp-rotate",
+        choices=list(ROTATE_METHODS),
+        help="with a cp axis > 1 in --mesh and a traced step: how ring attention rotates K/V, as torch's "
+        "set_rotate_method (default allgather, torch's): sizes its modelled buffers",
+    )
     p.add_argument("--html", metavar="FILE", help="write a self-contained picture of the traced step to FILE")
     p.add_argument("--json", action="store_true", help="print the same report as JSON (the plan under \"plan\")")
     add_pipeline_arguments(p)
@@ -434,6 +441,8 @@ def run_plan(args: argparse.Namespace) -> str:
         pipeline_config(args, None)  # refuses the pipeline options
         if args.ep < 1:
             raise UsageError(f"--ep must be >= 1, got {args.ep}")
+        if args.cp_rotate is not None:
+            raise UsageError("--fit does not enumerate cp, so --cp-rotate has nothing to size; plan one cp mesh with it")
         if args.moe_mesh is not None:
             raise UsageError(
                 "--fit derives each candidate's MoE mesh itself and would ignore --moe-mesh; use --ep N to "
@@ -445,6 +454,8 @@ def run_plan(args: argparse.Namespace) -> str:
         raise UsageError("--ep applies to --fit; for one mesh give --moe-mesh with an ep axis")
     shape, names = parse_mesh(args.mesh)
     pipeline = pipeline_config(args, names)
+    batch_seq = _batch_seq(args)
+    _check_cp(args, dict(zip(names, shape)), batch_seq, pipeline is not None)
     moe = None if args.moe_mesh is None else parse_moe_mesh(args.moe_mesh, math.prod(shape))
     model, name = build_model(args)
     config = FSDP2Config(
@@ -456,7 +467,6 @@ def run_plan(args: argparse.Namespace) -> str:
         offload_policy=CPUOffloadPolicy() if args.offload else None,
         pipeline_parallel=pipeline,
     )
-    batch_seq = _batch_seq(args)
     if batch_seq is not None and config.checkpoint_mode is not None:
         disable_kv_cache(model)  # as a training run with checkpointing must
     if batch_seq is not None and args.offload:  # traced without it, then left out of the peak (estimate_from_trace)
@@ -464,7 +474,7 @@ def run_plan(args: argparse.Namespace) -> str:
     if pipeline is not None:
         return run_pipeline_plan(args, model, name, shape, names, config, batch_seq, report)
     try:
-        run = dry_run(model, shape, names, config, batch_seq=batch_seq, moe=moe)
+        run = dry_run(model, shape, names, config, batch_seq=batch_seq, moe=moe, cp_rotate=args.cp_rotate or "allgather")
     except ValueError as e:  # the planner's own message names what to change
         raise UsageError(f"cannot plan {name}: {_one_line(e)}") from None
     except TypeError as e:  # typically a declaration of the wrong type (_no_split_modules = 5)
@@ -482,6 +492,31 @@ def run_plan(args: argparse.Namespace) -> str:
     if args.json:
         return json.dumps({**data, "plan": plan_document(run.plan)}, indent=2)
     return render(data, run.plan)
+
+
+def _check_cp(
+    args: argparse.Namespace, mesh: dict[str, int], batch_seq: tuple[int, int] | None, pipelined: bool
+) -> None:
+    """Refuse, before anything is built, a traced CP step that cannot be
+    sized: ``--seq`` that the ``2 x cp`` head-tail chunks (and SP's ``tp``)
+    do not divide, a pipelined one (the stage trace does not split the
+    sequence), and ``--cp-rotate`` with nothing to size."""
+    cp = mesh.get("cp", 1)
+    if args.cp_rotate is not None and (cp == 1 or batch_seq is None):
+        raise UsageError(
+            "--cp-rotate sizes ring attention's buffers in a traced step: it needs a cp axis > 1 in --mesh "
+            "and --batch/--seq"
+        )
+    if cp == 1 or batch_seq is None:
+        return
+    if pipelined:
+        raise UsageError(
+            f"--batch/--seq with pp and cp={cp}: the pipeline stages' trace does not split the sequence over "
+            "the CP ranks yet; drop --batch/--seq for the shape-only figures, or the cp axis"
+        )
+    error = cp_seq_error(batch_seq[1], cp, mesh.get("tp", 1), args.sp)
+    if error is not None:
+        raise UsageError(f"--seq {batch_seq[1]} with cp={cp}: {error}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

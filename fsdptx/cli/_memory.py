@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..apply._checkpoint import turn_kv_cache_off
 from ..core._args import require_module, require_positive_int
 from ..core._meshes import ep_size
+from ._cp import ROTATE_METHODS, attention_projections, cp_seq_error, no_attention_error, ring_attention, with_ring_buffers
+from ._ring import RingAttention
 from ._report import OPTIMIZER_STATES, ParamShard
 from ._scaling import rescale, steady_bytes, traced_steady
 from ._trace import Collective, Sample, Trace, trace_step, vocab_size, where_label
@@ -38,6 +40,9 @@ class MemoryEstimate:
     ``peak_breakdown`` the categories at that moment and ``peak_at`` its
     unit and phase. ``timeline`` and ``collectives`` are the traced step;
     ``notes`` lists every figure that is estimated instead of traced.
+    With a ``cp`` dim > 1 the step is traced at ``seq / cp`` tokens and
+    ``context_parallel`` holds ring attention's modelled buffers, which
+    the timeline and the peak include (:mod:`fsdptx.cli._cp`).
 
     Attributes:
         batch: sequences per data-parallel rank.
@@ -52,6 +57,7 @@ class MemoryEstimate:
         timeline: the traced step.
         collectives: the traced collectives.
         notes: the figures that are estimated instead of traced.
+        context_parallel: ring attention's modelled buffers (None without cp).
 
     Example::
 
@@ -71,6 +77,7 @@ class MemoryEstimate:
     timeline: tuple[Sample, ...] = ()
     collectives: tuple[Collective, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    context_parallel: RingAttention | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The figures as JSON-ready data (the timeline is left to ``--html``)."""
@@ -86,6 +93,7 @@ class MemoryEstimate:
             "peak_breakdown": dict(self.peak_breakdown),
             "collective_bytes": collective_bytes(self.collectives),
             "estimated": list(self.notes),
+            "context_parallel": None if self.context_parallel is None else self.context_parallel.to_json(),
         }
 
 
@@ -141,12 +149,19 @@ def estimate_from_trace(
         timeline=trace.samples,
         collectives=trace.collectives,
         notes=tuple(notes),
+        context_parallel=trace.ring,
     )
 
 
 
 def estimate_memory(
-    manager: Any, model: nn.Module, *, batch: int = 1, seq: int = 2048, optimizer: str = "adamw"
+    manager: Any,
+    model: nn.Module,
+    *,
+    batch: int = 1,
+    seq: int = 2048,
+    optimizer: str = "adamw",
+    cp_rotate: str = "allgather",
 ) -> MemoryEstimate:
     """The per-rank memory of one training step of ``model`` under ``manager``.
 
@@ -164,6 +179,10 @@ def estimate_memory(
         batch: sequences per data-parallel rank.
         seq: tokens per sequence.
         optimizer: ``adamw`` (2 fp32 states), ``sgd`` (1) or ``none``.
+        cp_rotate: how ring attention rotates K/V with a ``cp`` dim > 1,
+            as torch's ``set_rotate_method``: ``allgather`` (its default)
+            or ``alltoall``. A CP step is traced at ``seq / cp`` tokens and
+            the rotation's buffers are modelled (see :mod:`fsdptx.cli._cp`).
 
     Returns:
         A :class:`MemoryEstimate` for rank 0.
@@ -173,7 +192,10 @@ def estimate_memory(
             module or has no token embedding, ``batch`` or ``seq`` not an int.
         ValueError: ``batch`` or ``seq`` is below 1, ``optimizer`` unknown,
             ``model`` not on the meta device, ``seq`` not divisible by the TP
-            size under sequence parallelism, a ``moe_mesh`` that splits
+            size under sequence parallelism, ``cp_rotate`` unknown, with
+            ``cp`` > 1 ``seq`` not divisible by ``2 x cp`` (``2 x cp x tp``
+            under sequence parallelism) or a model without attention
+            layers to model, a ``moe_mesh`` that splits
             experts across ``ep`` > 1 ranks (tracing that step needs the
             model's token dispatch, which the trace does not run), or a plan
             with no FSDP unit to track.
@@ -209,12 +231,19 @@ def estimate_memory(
             "without an ep dim (the experts then run whole, so their gathered bytes are an upper bound), or "
             "read the shape-only figures of `python -m fsdptx plan --moe-mesh ...`"
         )
-    tp = manager.dims.tp
+    tp, cp = manager.dims.tp, manager.dims.cp
     if manager.config.sequence_parallel and tp > 1 and seq % tp:
         raise ValueError(
             f"{where}: seq={seq} is not divisible by the tensor-parallel size {tp}; sequence parallelism "
             f"splits every sequence over the TP ranks: use a multiple of {tp}"
         )
+    if not isinstance(cp_rotate, str) or cp_rotate not in ROTATE_METHODS:
+        raise ValueError(f"{where}: cp_rotate must be one of {', '.join(ROTATE_METHODS)}, got {cp_rotate!r}")
+    cp_error = cp_seq_error(seq, cp, tp, manager.config.sequence_parallel)
+    if cp_error is not None:
+        raise ValueError(f"{where}: {cp_error}")
+    if cp > 1 and not attention_projections(model):
+        raise ValueError(f"{where}: {no_attention_error(model)}")
     p = manager.plan(model)
     if not p.units:
         raise ValueError(
@@ -225,8 +254,11 @@ def estimate_memory(
     shards = param_shards(model, p, manager.dims, fsdp_applied=True)
     units = [u.modules[0] for u in p.units]
     trace = trace_step(
-        model, batch=batch, seq=seq, units=units, mesh=manager.device_mesh, vocab_sharded_logits=_loss_parallel(p)
+        model, batch=batch, seq=seq // cp, units=units, mesh=manager.device_mesh, vocab_sharded_logits=_loss_parallel(p)
     )
+    if cp > 1:
+        ring = ring_attention(model, p, cp=cp, tp=tp, rotate_method=cp_rotate, batch=batch, seq=seq)
+        trace = with_ring_buffers(trace, ring)
     return estimate_from_trace(trace, shards, batch=batch, seq=seq, optimizer=optimizer)
 
 
@@ -247,11 +279,24 @@ def disable_kv_cache(model: nn.Module) -> list[str]:
     return turn_kv_cache_off(model)
 
 
-def traced(model: nn.Module, plan: Any, applied: str, batch_seq: tuple[int, int], mesh: DeviceMesh) -> Trace:
+def traced(
+    model: nn.Module,
+    plan: Any,
+    applied: str,
+    batch_seq: tuple[int, int],
+    mesh: DeviceMesh,
+    *,
+    cp: int = 1,
+    tp: int = 1,
+    cp_rotate: str = "allgather",
+) -> Trace:
     """:func:`trace_step` for the dry run, which has applied ``plan``
     (``applied == "full"``) on the current fake mesh. A plan without units
     (nothing for the trace to follow) and one applied only in part (the
-    mesh is over the dry run's budget) are refused, each saying why."""
+    mesh is over the dry run's budget) are refused, each saying why. With
+    ``cp`` > 1 the step is traced at ``seq / cp`` and ring attention's
+    buffers (``cp_rotate``) are added (:mod:`fsdptx.cli._cp`); the caller
+    has checked that ``seq`` splits."""
     from ._common import APPLY_BUDGET, UsageError
 
     if not plan.units:
@@ -267,11 +312,13 @@ def traced(model: nn.Module, plan: Any, applied: str, batch_seq: tuple[int, int]
             "derives the step at large shard counts from traces at small ones"
         )
     batch, seq = batch_seq
+    if cp > 1 and not attention_projections(model):
+        raise UsageError(no_attention_error(model))
     try:
-        return trace_step(
+        trace = trace_step(
             model,
             batch=batch,
-            seq=seq,
+            seq=seq // cp,
             units=[u.modules[0] for u in plan.units],
             mesh=mesh,
             vocab_sharded_logits=_loss_parallel(plan),
@@ -281,6 +328,10 @@ def traced(model: nn.Module, plan: Any, applied: str, batch_seq: tuple[int, int]
             f"the training step could not be traced under FakeTensorMode ({type(e).__name__}: "
             f"{' '.join(str(e).split())[:300]}); plan without --batch/--seq for the shape-only figures"
         ) from None
+    if cp == 1:
+        return trace
+    ring = ring_attention(model, plan, cp=cp, tp=tp, rotate_method=cp_rotate, batch=batch, seq=seq)
+    return with_ring_buffers(trace, ring)
 
 
 def memory_json(trace: Trace, shards: Mapping[str, ParamShard], optimizer: str) -> dict[str, Any]:
@@ -304,10 +355,23 @@ def memory_text(m: Mapping[str, Any]) -> list[str]:
         ("at the peak", breakdown),
         ("collectives", comm),
     ]
+    cp = m.get("context_parallel")
+    if cp is not None:
+        rows.append(
+            (
+                "context parallel",
+                f"cp={cp['cp']}, {cp['seq_per_rank']} tokens per CP rank traced; ring attention modelled "
+                f"({cp['rotate_method']} rotation): K/V buffer {fmt_bytes(cp['kv_buffer_bytes'])} per layer, "
+                f"+ {fmt_bytes(cp['grad_kv_buffer_bytes'])} fp32 dK/dV in backward ({cp['attention_layers']} layers)",
+            )
+        )
     rows += [("estimated", note) for note in m["estimated"]]
     width = max(len(k) for k, _ in rows)
+    shape = f"batch {m['batch']} x seq {m['seq']}"
+    if cp is not None:
+        shape += f" (seq/cp = {cp['seq_per_rank']} per CP rank)"
     head = (
-        f"one training step traced (forward, backward, AdamW step; batch {m['batch']} x seq {m['seq']} "
+        f"one training step traced (forward, backward, AdamW step; {shape} "
         "per data-parallel rank; FakeTensorMode, FSDPMemTracker):"
     )
     return ["", head, *(f"  {k.ljust(width)}  {v}" for k, v in rows)]

@@ -232,9 +232,12 @@ def dry_run(
     *,
     batch_seq: tuple[int, int] | None = None,
     moe: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
+    cp_rotate: str = "allgather",
 ) -> DryRun:
     """Plan with the manager and apply on a fake mesh (within :data:`APPLY_BUDGET`);
-    with ``batch_seq``, also trace one training step (:func:`trace_step`);
+    with ``batch_seq``, also trace one training step (:func:`trace_step`;
+    with a ``cp`` dim > 1 at ``seq / cp``, ring attention's ``cp_rotate``
+    buffers modelled);
     with ``moe`` (shape and dim names), expert modules shard over that MoE
     mesh, split by expert across its ``ep`` dim when it has one."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -280,7 +283,11 @@ def dry_run(
         shards = param_shards(
             model, p, dims, fsdp_applied=applied == "full", moe=None if moe_dims is None else (moe_dims.shard, moe_dims.ep)
         )
-        trace = None if batch_seq is None else traced(model, p, applied, batch_seq, mesh)
+        trace = (
+            None
+            if batch_seq is None
+            else traced(model, p, applied, batch_seq, mesh, cp=dims.cp, tp=dims.tp, cp_rotate=cp_rotate)
+        )
     return DryRun(plan=p, dims=dims, shards=shards, applied=applied, params=n_params, trace=trace, moe=moe_dims)
 
 

@@ -45,8 +45,9 @@ from ..core._torch_internals import (
     own_propagation_fake_mode,
     tree_leaves,
 )
+from ._ring import RingAttention
 
-__all__ = ["CATEGORIES", "Collective", "Sample", "Trace", "trace_step", "vocab_size", "where_label"]
+__all__ = ["CATEGORIES", "RING_BUFFERS", "Collective", "Sample", "Trace", "trace_step", "vocab_size", "where_label"]
 
 # The tracker's categories (``_FSDPRefType`` values), renamed to JSON keys.
 CATEGORIES: dict[str, str] = {
@@ -62,6 +63,10 @@ CATEGORIES: dict[str, str] = {
     "OptState": "optimizer_state",
     "Inputs": "inputs",
 }
+
+RING_BUFFERS = "cp_ring_buffers"
+"""The category of ring attention's K/V rotation buffers, which a CP step
+holds and no CPU kernel allocates: modelled, not traced (:mod:`fsdptx.cli._cp`)."""
 
 # Collectives as the tracker sees them, below DTensor and FSDP: FSDP's own
 # (c10d in-place ops) and DTensor's functional ones (TP redistributions).
@@ -187,6 +192,7 @@ class Trace:
     batch_seq: tuple[int, int]
     offloaded: bool = False  # traced without CPUOffloadPolicy, which stands for it (see fsdptx.cli._memory)
     notes: tuple[str, ...] = ()  # what was estimated instead of traced
+    ring: RingAttention | None = None  # context parallelism's modelled buffers, with cp > 1
 
 
 def _logits(out: object) -> torch.Tensor:

@@ -44,7 +44,9 @@ def figures(value: Any) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "extra", [(), ("--mesh", "dp=2,tp=2", "--sp"), ("--ac", "full")], ids=["dp8", "dp2xtp2-sp", "ac-full"]
+    "extra",
+    [(), ("--mesh", "dp=2,tp=2", "--sp"), ("--ac", "full"), ("--mesh", "cp=2,dp=2")],
+    ids=["dp8", "dp2xtp2-sp", "ac-full", "cp2xdp2"],
 )
 def test_json_carries_every_byte_figure_of_the_text_report(
     capsys: pytest.CaptureFixture[str], extra: tuple[str, ...]

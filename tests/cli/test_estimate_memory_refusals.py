@@ -26,6 +26,11 @@ def _llama() -> nn.Module:
         return build_preset("llama", 1)
 
 
+def _no_attention() -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+
+
 SP = FSDP2Config(sequence_parallel=True)
 
 # name -> (model, mesh shape, mesh names, config, keyword arguments, error type, message)
@@ -53,6 +58,18 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], tuple[str, ...]
     "sequence not divisible by tp under SP": (
         _llama, (2, 2), ("dp", "tp"), SP, {"seq": 63},
         ValueError, "estimate_memory: seq=63 is not divisible by the tensor-parallel size 2",
+    ),
+    "unknown cp rotation": (
+        _llama, (2, 2), ("dp", "cp"), FSDP2Config(), {"cp_rotate": "ring"},
+        ValueError, "estimate_memory: cp_rotate must be one of allgather, alltoall, got 'ring'",
+    ),
+    "sequence the head-tail chunks of cp do not divide": (
+        _llama, (2, 2), ("dp", "cp"), FSDP2Config(), {"seq": 66},
+        ValueError, "estimate_memory: seq=66 is not divisible by 4 .2 x cp = 4 head-tail",
+    ),
+    "cp without attention layers to model": (
+        _no_attention, (2, 2), ("dp", "cp"), FSDP2Config(), {},
+        ValueError, "estimate_memory: a cp axis > 1 needs Sequential's attention layers",
     ),
 }
 
