@@ -2,7 +2,7 @@
 
 Run::
 
-    PYTHONPATH=. python benchmarks/pp_step.py [--rounds 3] [--steps 5] [--schedules 1F1B Interleaved1F1B]
+    PYTHONPATH=.:tests/support python benchmarks/pp_step.py [--rounds 3] [--steps 5] [--schedules 1F1B Interleaved1F1B]
 
 4 gloo ranks on CPU, a (pp=2, dp=2) mesh, fp32, the ``Titan`` preset (laid
 out like torchtitan's Llama 3) at torchtitan's debug size: dim 256, 4
@@ -12,7 +12,8 @@ micro-batches. Two schedules: ``1F1B`` (one stage per rank) and
 
 - fsdptx: ``FSDP2Manager(FSDP2Config(pipeline_parallel=...), mesh).parallelize(model, loss_fn=...)``
   and ``stages.step(...)``.
-- the baseline, torchtitan 0.2.2's ``pipeline_llm`` written out by hand:
+- the baseline, torchtitan 0.2.2's ``pipeline_llm`` written out by hand
+  (``tests/support/titan_pipeline.py``):
   per stage a deep copy of the model with the other stages' modules removed
   (blocks deleted from ``layers``, the embedding, norm and head replaced by
   ``nn.Identity`` since the preset's ``forward`` calls them, where
@@ -45,7 +46,6 @@ rounds. It prints figures and asserts nothing.
 from __future__ import annotations
 
 import argparse
-import copy
 import resource
 import statistics
 import time
@@ -56,17 +56,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdptx
 from fsdptx.core._sizes import format_bytes
 from fsdptx.plan._stages import bubble_fraction
 from fsdptx.presets import Titan, TitanConfig
 from fsdptx.testing import Collective, record_collectives, run_distributed
+
+from titan_pipeline import pipeline_by_hand  # tests/support on PYTHONPATH
 
 BATCH, SEQ, VOCAB, MICROBATCHES, WARMUP = 8, 64, 2048, 4, 2
 CONFIG = TitanConfig(vocab=VOCAB, dim=256, n_heads=16, n_kv_heads=8, hidden=768, layers=4, max_seq_len=SEQ)
@@ -86,36 +84,6 @@ def build() -> Titan:
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
-
-
-def _by_hand(model: Titan, mesh: DeviceMesh, schedule: str) -> tuple[list[nn.Module], list[PipelineStage], Any]:
-    """torchtitan's pipeline_module_split, apply_fsdp and build_pipeline_schedule."""
-    pp, dp = mesh["pp"], mesh["dp"]
-    split = SPLITS[schedule]
-    rank, size = pp.get_local_rank(), pp.size()
-    modules: list[nn.Module] = []
-    stages: list[PipelineStage] = []
-    for index in range(rank, len(split), size):  # loop placement
-        part = copy.deepcopy(model)
-        keep = set(split[index])
-        for name in list(part.layers.keys()):
-            if f"layers.{name}" not in keep:
-                del part.layers[name]
-        for name in ("tok_embeddings", "norm", "output"):
-            if name not in keep:
-                setattr(part, name, nn.Identity())
-        if "tok_embeddings" in keep:
-            fully_shard(part.tok_embeddings, mesh=dp, reshard_after_forward=False)
-        for block in part.layers.values():
-            fully_shard(block, mesh=dp, reshard_after_forward=False)
-        if "output" in keep:
-            fully_shard([part.norm, part.output], mesh=dp, reshard_after_forward=False)
-        fully_shard(part, mesh=dp)
-        modules.append(part)
-        stages.append(PipelineStage(part, index, len(split), torch.device("cpu"), group=pp.get_group()))
-    cls = get_schedule_class(schedule)
-    first: Any = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
-    return modules, stages, cls(first, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
 
 
 def _timed(fn: Callable[..., Any], busy: list[float]) -> Callable[..., Any]:
@@ -154,7 +122,7 @@ def _worker(rank: int, world_size: int, schedule: str, method: str, steps: int) 
         is_first, is_last = stages.is_first, stages.is_last
         run: Callable[[torch.Tensor | None, torch.Tensor | None], list[torch.Tensor] | None] = stages.step
     else:
-        modules, torch_stages, sched = _by_hand(model, mesh, schedule)
+        modules, torch_stages, sched = pipeline_by_hand(model, mesh, SPLITS[schedule], schedule, MICROBATCHES, loss_fn)
         is_first, is_last = any(s.is_first for s in torch_stages), any(s.is_last for s in torch_stages)
 
         def run(inputs: torch.Tensor | None, target: torch.Tensor | None) -> list[torch.Tensor] | None:
