@@ -29,7 +29,8 @@ from ..plan._json import described_style_problems
 from ..plan._plan import Plan
 from ..plan._vouch import MarkTargets, reductions_by_module
 from ._experts import HandEpMesh, divide_expert_gradients, hand_ep_mesh, split_experts
-from ._inputs import cast_inputs_to_fp32, wholly_fp32_modules
+from ..plan._fp32_inputs import wholly_fp32_modules
+from ._inputs import cast_inputs_to_fp32
 from ._unused import configure_units_of
 from ..core._tree import get_module_from_path
 from ..tp._transform import tied_tp_groups, tp_styles_by_module
@@ -185,13 +186,14 @@ def apply_indexed(
     require_mesh(mesh, shard_module, "apply_plan")
     if moe_mesh is not None and not isinstance(moe_mesh, DeviceMesh):
         raise TypeError(f"apply_plan: moe_mesh must be a torch DeviceMesh or None, got {type(moe_mesh).__name__}")
-    resolved, marks = checked_units(plan, model, index)
+    resolved, marks, fp32_inputs = checked_units(plan, model, index)
     return apply_resolved(
         plan,
         model,
         mesh,
         resolved,
         marks=marks,
+        fp32_inputs=fp32_inputs,
         index=index,
         moe_mesh=moe_mesh,
         shard_module=shard_module,
@@ -229,6 +231,7 @@ def apply_resolved(
     resolved: list[list[nn.Module]],
     *,
     marks: MarkTargets | None = None,
+    fp32_inputs: list[nn.Module] | None = None,
     index: ModelIndex | None = None,
     moe_mesh: DeviceMesh | None = None,
     shard_module: ShardModule = fully_shard,
@@ -242,7 +245,9 @@ def apply_resolved(
     directly, its units resolved from the index it has just built.
     ``marks`` holds the modules the marks go to when they are known
     already; else they are looked up by FQN, in ``index`` when given (the
-    model's index as it is now; see :func:`_finder`)."""
+    model's index as it is now; see :func:`_finder`). ``fp32_inputs``
+    likewise holds the modules whose inputs are cast to fp32, as a vouched
+    plan recorded them; else they are found from the units and the model."""
     find = _finder(model, index)
     precheck(plan, model, mesh, index, moe_mesh=moe_mesh, hand_ep_mesh=hand_ep_mesh)
     dense, moe = fsdp_meshes(plan, mesh, moe_mesh)
@@ -263,9 +268,10 @@ def apply_resolved(
             checkpoint_module(find(fqn), **extra)
     if plan.expert_parallel is not None and moe_mesh is not None:
         split_experts(model, plan.expert_parallel, moe_mesh, hand_ep_mesh)
-    fp32_modules = wholly_fp32_modules(
-        ((unit.modules, mods, unit.params, unit.compute_dtype) for unit, mods in zip(plan.units, resolved)), index
-    )
+    if fp32_inputs is None:
+        fp32_inputs = wholly_fp32_modules(
+            ((unit.modules, mods, unit.params, unit.compute_dtype) for unit, mods in zip(plan.units, resolved)), index
+        )
     for unit, mods in zip(plan.units, resolved):
         kwargs = shard_kwargs(unit, moe if unit.mesh == "moe" else dense)
         if unit.ignored_params:
@@ -273,7 +279,7 @@ def apply_resolved(
         shard_module(mods[0] if len(mods) == 1 else mods, **kwargs)
         if unit.mesh == "moe" and moe_mesh is not None and ep_size(moe_mesh) > 1:
             divide_expert_gradients(mods, moe_mesh, moe)
-    for module in fp32_modules:
+    for module in fp32_inputs:
         cast_inputs_to_fp32(module)
     for chain in plan.prefetch:
         unit_module = find(chain.unit)

@@ -113,15 +113,16 @@ def check_plan(plan: Plan, model: nn.Module) -> list[list[nn.Module]]:
 
 def checked_units(
     plan: Plan, model: nn.Module, index: ModelIndex | None = None
-) -> tuple[list[list[nn.Module]], MarkTargets | None]:
-    """:func:`check_plan`'s modules, and the modules the marks go to when a
-    vouched plan's walk found them (else ``None``: looked up by FQN).
+) -> tuple[list[list[nn.Module]], MarkTargets | None, list[nn.Module] | None]:
+    """:func:`check_plan`'s modules, and, when a vouched plan's walk found
+    them, the modules the marks go to and those whose inputs are cast to
+    fp32 (each ``None`` otherwise: looked up by FQN, found from the model).
     ``index``: the model's index as it is now, read instead of walking the
     model again."""
     vouched = vouched_modules(plan, model, None if index is None else index.walk)
     if vouched is not None:
         return vouched
-    return _check_in_full(plan, model, index if index is not None else ModelIndex.build(model)), None
+    return _check_in_full(plan, model, index if index is not None else ModelIndex.build(model)), None, None
 
 
 def check_resolved(plan: Plan, resolved: list[list[nn.Module]]) -> list[list[nn.Module]]:

@@ -242,20 +242,21 @@ def apply_pipeline(
     for stage in local:
         module = build_stage_module(model, index, parts, stage.modules, stage.index, num)
         stage_index = ModelIndex.build(module)
-        resolved, marks = checked_units(stage.plan, module, stage_index)
+        resolved, marks, fp32_inputs = checked_units(stage.plan, module, stage_index)
         precheck(stage.plan, module, mesh, stage_index, moe_mesh=moe_mesh, hand_ep_mesh=hand_ep_mesh)
-        built.append((stage, module, stage_index, resolved, marks))
+        built.append((stage, module, stage_index, resolved, marks, fp32_inputs))
     modules: list[nn.Module] = []
     torch_stages: list[Any] = []
     group = mesh["pp"].get_group()
     device = _device(mesh)
-    for stage, module, stage_index, resolved, marks in built:
+    for stage, module, stage_index, resolved, marks, fp32_inputs in built:
         apply_resolved(
             stage.plan,
             module,
             mesh,
             resolved,
             marks=marks,
+            fp32_inputs=fp32_inputs,
             index=stage_index,
             moe_mesh=moe_mesh,
             shard_module=shard_module,

@@ -19,6 +19,7 @@ from ..core._caches import caches_enabled
 from ..core._policy import policy_dtype_problems
 from ..model._unit_checks import refused_class
 from ..model._walk import _DTYPE_GRAD, _NDIM, ModelWalk, Signature, walk_model
+from ._fp32_inputs import wholly_fp32_modules
 from ._types import Reduction, UnitKind
 
 if TYPE_CHECKING:
@@ -79,7 +80,10 @@ class Vouched:
     objects) were checked against the same model, or are ``None``; then
     ``marks`` holds, per module holding marked parameters, its walk
     position and its marks by local name, and ``excluded`` the walk
-    position of each excluded module."""
+    position of each excluded module. ``fp32_inputs``: the walk positions
+    of the modules whose inputs applying casts to fp32 (see
+    :mod:`fsdptx.plan._fp32_inputs`), or ``None`` where planning did not
+    record them."""
 
     signature: Signature
     units: tuple[Unit, ...]
@@ -88,6 +92,7 @@ class Vouched:
     exclusions: tuple[str, ...] | None = None
     marks: tuple[tuple[int, Mapping[str, Reduction]], ...] = ()
     excluded: tuple[int, ...] = ()
+    fp32_inputs: tuple[int, ...] | None = None
 
 
 # The modules a plan's marks go to: per module holding marked parameters,
@@ -138,11 +143,24 @@ def _hashable(value: object) -> object:
 
 
 def vouch_marks(index: ModelIndex, plan: Plan) -> Verification | None:
-    """``plan.verified`` extended to the plan's reductions and exclusions when
-    each names a parameter or module of the model ``index`` was built from."""
+    """``plan.verified`` extended to what applying reads besides the units:
+    the modules whose inputs it casts to fp32, found from ``index`` (the
+    model the units were vouched for), and the plan's reductions and
+    exclusions when each names a parameter or module of that model."""
     vouched = plan.verified
     if not isinstance(vouched, Vouched) or vouched.units is not plan.units:
         return vouched
+    if index.walk.signature is not vouched.signature and not vouched.signature.matches(index.walk):
+        return vouched  # positions read from this index would not be the vouched walk's
+    modules, position = index.modules, index.walk.position
+    fp32 = wholly_fp32_modules(
+        (
+            (u.modules, [modules[f] for f in u.modules] if u.compute_dtype == torch.float32 else (), u.params, u.compute_dtype)
+            for u in plan.units
+        ),
+        index,
+    )
+    vouched = dataclasses.replace(vouched, fp32_inputs=tuple(position[id(m)] for m in fp32))
     # Every slot holds its parameter's canonical name: a set of them is
     # the parameters' names, without building a table of the parameters.
     named = set(index.slot_fqn).issuperset(plan.reductions) and all(f in index.modules for f in plan.exclusions)
@@ -170,11 +188,13 @@ def _positions(index: ModelIndex, groups: list[tuple[str, ...]]) -> tuple[tuple[
 
 def vouched_modules(
     plan: Plan, model: nn.Module, walk: ModelWalk | None = None
-) -> tuple[list[list[nn.Module]], MarkTargets] | None:
-    """Each unit's modules, and the modules the marks go to, when the plan
-    is vouched for and ``model`` walks to the same signature; ``None`` when
-    anything calls for the full check (always, while caches are off).
-    ``walk``: the model's walk as it is now, when the caller has one."""
+) -> tuple[list[list[nn.Module]], MarkTargets, list[nn.Module] | None] | None:
+    """Each unit's modules, the modules the marks go to, and the modules
+    whose inputs are cast to fp32 (``None`` where planning did not record
+    them), when the plan is vouched for and ``model`` walks to the same
+    signature; ``None`` when anything calls for the full check (always,
+    while caches are off). ``walk``: the model's walk as it is now, when
+    the caller has one."""
     vouched = plan.verified
     if not caches_enabled() or not isinstance(vouched, Vouched) or vouched.units is not plan.units:
         return None
@@ -191,4 +211,5 @@ def vouched_modules(
         return None
     found = walk.modules
     units = [[found[i] for i in at] for at in vouched.positions]
-    return units, ([(found[i], m) for i, m in vouched.marks], [found[i] for i in vouched.excluded])
+    fp32 = None if vouched.fp32_inputs is None else [found[i] for i in vouched.fp32_inputs]
+    return units, ([(found[i], m) for i, m in vouched.marks], [found[i] for i in vouched.excluded]), fp32

@@ -30,6 +30,7 @@ import fsdptx
 from fsdptx import Plan, PlanningError, Unit
 from fsdptx.plan._types import DtypeRequest
 from fsdptx.plan.resolve import resolve_units
+from fsdptx.plan._fp32_inputs import wholly_fp32_modules
 from fsdptx.plan._vouch import vouched_modules
 from fsdptx.plan._vouch import reductions_by_module
 from fsdptx.testing import fake_mesh
@@ -369,8 +370,9 @@ def test_planning_vouches_only_for_what_the_full_check_accepts(
 ) -> None:
     """Invariant: a plan that planning vouches for passes the full check on
     the unchanged model (which re-derives every unit's claims), and both
-    resolve the same modules for every unit: skipping the re-derivation
-    never accepts what the full check would refuse."""
+    resolve the same modules for every unit and find the same modules to
+    feed fp32 inputs: skipping the re-derivation never accepts what the
+    full check would refuse, nor changes what applying does."""
     model = build_module(spec)
     blocks = data.draw(block_choices(model))
     pipeline = fsdptx.compose(by_dtype(blocks, tokens), fsdptx.mark_reduction)
@@ -380,13 +382,15 @@ def test_planning_vouches_only_for_what_the_full_check_accepts(
         return
     vouched = vouched_modules(p, model)
     assert vouched is not None
-    units, (reduced, excluded) = vouched
+    units, (reduced, excluded), fp32_inputs = vouched
     with fsdptx.caches(enabled=False):
         full = fsdptx.check_plan(p, model)  # the full check: nothing is vouched for with caches off
     assert [[id(m) for m in ms] for ms in units] == [[id(m) for m in ms] for ms in full]
     by_module = reductions_by_module(p.reductions)
     assert [(id(m), dict(r)) for m, r in reduced] == [(id(model.get_submodule(f)), r) for f, r in by_module.items()]
     assert [id(m) for m in excluded] == [id(model.get_submodule(f)) for f in p.exclusions]
+    found = wholly_fp32_modules((u.modules, ms, u.params, u.compute_dtype) for u, ms in zip(p.units, full))
+    assert fp32_inputs is not None and [id(m) for m in fp32_inputs] == [id(m) for m in found]
 
 
 @st.composite

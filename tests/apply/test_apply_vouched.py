@@ -19,12 +19,14 @@ import pytest
 import torch
 from models import BF16, DIM, CastLinear, make_decoder
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdptx
 from fsdptx import Plan, PlanMismatchError
 from fsdptx.apply import _check
 from fsdptx.model._index import ModelIndex
 from fsdptx.plan._vouch import vouch
+from fsdptx.presets import Decoder, DecoderConfig
 from fsdptx.testing import mark_sharded
 
 PIPELINE = fsdptx.compose(fsdptx.shard_by_dtype, fsdptx.shard_across_blocks, fsdptx.mark_reduction)
@@ -68,6 +70,27 @@ def test_the_vouched_path_resolves_the_same_modules_as_the_full_check() -> None:
     with fsdptx.caches(enabled=False):
         full = fsdptx.check_plan(p, model)  # nothing is vouched for with caches off: the full check
     assert [[id(m) for m in ms] for ms in vouched] == [[id(m) for m in ms] for ms in full]
+
+
+def _hooked(model: nn.Module) -> list[str]:
+    return [fqn for fqn, m in model.named_modules() if m._forward_pre_hooks]
+
+
+def test_a_vouched_plan_casts_the_inputs_of_the_modules_the_full_path_finds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fp32 holders (one cross-block fp32 unit inside a bf16 model) get
+    their inputs cast, whether planning recorded them or applying finds
+    them from the model."""
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    config = DecoderConfig(vocab=16, dim=8, hidden=16, layers=3, fp32_holders=True, sibling_dtype=BF16)
+    vouched, full = Decoder(config), Decoder(config)
+    p = fsdptx.plan(vouched, PIPELINE, mp_policy=policy)
+    checks = FullChecks(monkeypatch)
+    apply(p, vouched)
+    assert checks.count == 0
+    with fsdptx.caches(enabled=False):
+        apply(fsdptx.plan(full, PIPELINE, mp_policy=policy), full)
+    assert checks.count == 1
+    assert _hooked(vouched) == _hooked(full) == [f"layers.{i}.sinks" for i in range(3)]
 
 
 def test_casting_after_planning_is_checked_in_full_and_refused(monkeypatch: pytest.MonkeyPatch) -> None:

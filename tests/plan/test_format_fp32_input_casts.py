@@ -14,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 pytest.importorskip("transformers")
 
 import fsdptx  # noqa: E402
-from fsdptx.apply._inputs import wholly_fp32_modules  # noqa: E402
+from fsdptx.plan._fp32_inputs import wholly_fp32_modules  # noqa: E402
 from fsdptx.model._index import ModelIndex  # noqa: E402
 from fsdptx.plan._format import fp32_input_casts  # noqa: E402
 
