@@ -39,15 +39,16 @@ def device_and_backend() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def exit_without_teardown() -> None:
+def exit_without_teardown(code: int = 0) -> None:
     """Leave the process once the work is done and the group is destroyed.
 
     With torch 2.13, FSDP2 on gloo can abort the interpreter's final cleanup
     ("terminate called without an active exception", SIGABRT) after
     everything succeeded; plain torch reproduces it in 2 of 12 runs. Skipping
     that cleanup, after flushing output, keeps the exit code meaning what
-    the job did. ``fsdptx.testing.run_distributed`` ends its ranks the same way.
+    the job did (``code``). ``fsdptx.testing.run_distributed`` ends its ranks
+    the same way.
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

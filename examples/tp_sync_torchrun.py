@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import fsdptx
 from fsdptx.presets import Decoder, DecoderConfig
 
-from _launch import device_and_backend  # examples/ is on sys.path when run as a script
+from _launch import device_and_backend, exit_without_teardown  # examples/ is on sys.path when run as a script
 
 STEPS = 5
 GLOBAL_BATCH = 8  # split evenly over the TP ranks
@@ -118,8 +118,7 @@ def main() -> None:
         print(f"checksums per rank: {[f'{s.item():.6f}' for s in sums]}")
         print("replicated parameters identical across TP ranks" if identical else "replicas DIFFER across TP ranks")
     dist.destroy_process_group()
-    if not identical:
-        raise SystemExit(1)
+    exit_without_teardown(0 if identical else 1)
 
 
 if __name__ == "__main__":
