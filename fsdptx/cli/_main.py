@@ -41,6 +41,7 @@ from ..presets import PRESETS
 from ._common import UsageError, _DTYPES, _dtype, _one_line, _rows, mp_policy
 from ._diff import PlanFileError, add_diff_parser, run_diff
 from ._cp import ROTATE_METHODS, cp_seq_error
+from ._ep import check_routing_skew
 from ._memory import disable_kv_cache, memory_json, memory_text
 from ._pipeline import add_pipeline_arguments, pipeline_config, run_pipeline_plan
 from ._report import OPTIMIZER_STATES, PAD_FLAG_RATIO, MemoryPlan, UnitTraffic, memory_plan, step_traffic
@@ -209,6 +210,11 @@ def _moe_lines(data: dict[str, Any]) -> list[str]:
 
 def _applied_line(data: dict[str, Any]) -> str:
     moe = data["moe_mesh"]
+    if data["applied"] == "full" and moe is not None and moe["ep"] > 1 and data["memory"].get("expert_parallel"):
+        return (
+            "applied with apply_plan on the fake mesh, expert weights split across ep and, for the traced step, "
+            "a token dispatch of fixed sizes (the routing assumed below); bytes per rank are rank 0's DTensor shards"
+        )
     if data["applied"] == "full" and moe is not None and moe["ep"] > 1:
         return (
             "applied with apply_plan on the fake mesh, expert weights split across ep but the model's token "
@@ -420,6 +426,12 @@ def _parser() -> _Parser:
         help="with a cp axis > 1 in --mesh and a traced step: how ring attention rotates K/V, as torch's "
         "set_rotate_method (default allgather, torch's): sizes its modelled buffers",
     )
+    p.add_argument(
+        "--routing-skew",
+        metavar="F",
+        help="with an ep axis > 1 in --moe-mesh and a traced step: the routing the experts' token dispatch is "
+        "traced under, the busiest expert receiving F (>= 1) times the mean tokens (default 1: balanced)",
+    )
     p.add_argument("--html", metavar="FILE", help="write a self-contained picture of the traced step to FILE")
     p.add_argument("--json", action="store_true", help="print the same report as JSON (the plan under \"plan\")")
     add_pipeline_arguments(p)
@@ -443,6 +455,11 @@ def run_plan(args: argparse.Namespace) -> str:
             raise UsageError(f"--ep must be >= 1, got {args.ep}")
         if args.cp_rotate is not None:
             raise UsageError("--fit does not enumerate cp, so --cp-rotate has nothing to size; plan one cp mesh with it")
+        if args.routing_skew is not None:
+            raise UsageError(
+                "--fit traces its ep candidates with balanced routing; plan one of them with --moe-mesh and "
+                "--routing-skew F"
+            )
         if args.moe_mesh is not None:
             raise UsageError(
                 "--fit derives each candidate's MoE mesh itself and would ignore --moe-mesh; use --ep N to "
@@ -457,6 +474,7 @@ def run_plan(args: argparse.Namespace) -> str:
     batch_seq = _batch_seq(args)
     _check_cp(args, dict(zip(names, shape)), batch_seq, pipeline is not None)
     moe = None if args.moe_mesh is None else parse_moe_mesh(args.moe_mesh, math.prod(shape))
+    skew = _routing_skew(args.routing_skew, moe, batch_seq, pipeline is not None)
     model, name = build_model(args)
     config = FSDP2Config(
         sequence_parallel=args.sp,
@@ -474,7 +492,16 @@ def run_plan(args: argparse.Namespace) -> str:
     if pipeline is not None:
         return run_pipeline_plan(args, model, name, shape, names, config, batch_seq, report)
     try:
-        run = dry_run(model, shape, names, config, batch_seq=batch_seq, moe=moe, cp_rotate=args.cp_rotate or "allgather")
+        run = dry_run(
+            model,
+            shape,
+            names,
+            config,
+            batch_seq=batch_seq,
+            moe=moe,
+            cp_rotate=args.cp_rotate or "allgather",
+            routing_skew=skew,
+        )
     except ValueError as e:  # the planner's own message names what to change
         raise UsageError(f"cannot plan {name}: {_one_line(e)}") from None
     except TypeError as e:  # typically a declaration of the wrong type (_no_split_modules = 5)
@@ -517,6 +544,33 @@ def _check_cp(
     error = cp_seq_error(batch_seq[1], cp, mesh.get("tp", 1), args.sp)
     if error is not None:
         raise UsageError(f"--seq {batch_seq[1]} with cp={cp}: {error}")
+
+
+def _routing_skew(
+    text: str | None,
+    moe: tuple[tuple[int, ...], tuple[str, ...]] | None,
+    batch_seq: tuple[int, int] | None,
+    pipelined: bool,
+) -> float:
+    """``--routing-skew`` as a number (1.0 when not given), refused before
+    anything is built when it is not one >= 1 or there is no traced step
+    with experts split across ``ep`` > 1 for it to size."""
+    if text is None:
+        return 1.0
+    try:
+        skew = check_routing_skew(float(text), "--routing-skew")
+    except (ValueError, TypeError):
+        raise UsageError(
+            f"--routing-skew must be a number >= 1 (1 = balanced; F = the busiest expert receives F times the "
+            f"mean tokens), got {text!r}"
+        ) from None
+    ep = 1 if moe is None else dict(zip(moe[1], moe[0])).get("ep", 1)
+    if ep <= 1 or batch_seq is None or pipelined:
+        raise UsageError(
+            "--routing-skew sizes the experts' token dispatch in a traced step: it needs an ep axis > 1 in "
+            "--moe-mesh and --batch/--seq (without pipeline stages)"
+        )
+    return skew
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,7 +12,7 @@ combines it with the exact shard sizes (:mod:`fsdptx.cli._scaling`) into a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..apply._checkpoint import turn_kv_cache_off
 from ..core._args import require_module, require_positive_int
 from ..core._meshes import ep_size
+from ._ep import ExpertRouting, StaticDispatch, check_routing_skew, static_dispatch_problems
 from ._cp import ROTATE_METHODS, attention_projections, cp_seq_error, no_attention_error, ring_attention, with_ring_buffers
 from ._ring import RingAttention
 from ._report import OPTIMIZER_STATES, ParamShard
@@ -42,7 +43,9 @@ class MemoryEstimate:
     ``notes`` lists every figure that is estimated instead of traced.
     With a ``cp`` dim > 1 the step is traced at ``seq / cp`` tokens and
     ``context_parallel`` holds ring attention's modelled buffers, which
-    the timeline and the peak include (:mod:`fsdptx.cli._cp`).
+    the timeline and the peak include (:mod:`fsdptx.cli._cp`). With an
+    ``ep`` dim > 1 the experts' token dispatch runs at sizes fixed by a
+    routing assumption, which ``expert_routing`` states (:mod:`fsdptx.cli._ep`).
 
     Attributes:
         batch: sequences per data-parallel rank.
@@ -58,6 +61,7 @@ class MemoryEstimate:
         collectives: the traced collectives.
         notes: the figures that are estimated instead of traced.
         context_parallel: ring attention's modelled buffers (None without cp).
+        expert_routing: the routing the experts' dispatch assumed (None without ep).
 
     Example::
 
@@ -78,6 +82,7 @@ class MemoryEstimate:
     collectives: tuple[Collective, ...] = ()
     notes: tuple[str, ...] = field(default=())
     context_parallel: RingAttention | None = None
+    expert_routing: ExpertRouting | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The figures as JSON-ready data (the timeline is left to ``--html``)."""
@@ -94,6 +99,7 @@ class MemoryEstimate:
             "collective_bytes": collective_bytes(self.collectives),
             "estimated": list(self.notes),
             "context_parallel": None if self.context_parallel is None else self.context_parallel.to_json(),
+            "expert_parallel": None if self.expert_routing is None else self.expert_routing.to_json(),
         }
 
 
@@ -150,6 +156,7 @@ def estimate_from_trace(
         collectives=trace.collectives,
         notes=tuple(notes),
         context_parallel=trace.ring,
+        expert_routing=trace.routing,
     )
 
 
@@ -162,6 +169,7 @@ def estimate_memory(
     seq: int = 2048,
     optimizer: str = "adamw",
     cp_rotate: str = "allgather",
+    routing_skew: float = 1.0,
 ) -> MemoryEstimate:
     """The per-rank memory of one training step of ``model`` under ``manager``.
 
@@ -183,22 +191,30 @@ def estimate_memory(
             as torch's ``set_rotate_method``: ``allgather`` (its default)
             or ``alltoall``. A CP step is traced at ``seq / cp`` tokens and
             the rotation's buffers are modelled (see :mod:`fsdptx.cli._cp`).
+        routing_skew: with a ``moe_mesh`` that splits experts across
+            ``ep`` > 1 ranks, the routing the experts' token dispatch is
+            traced under: 1 (balanced, each expert receives
+            ``ep x tokens x top_k / num_experts`` rows) or ``F`` > 1, the
+            busiest expert receiving ``F`` times that, on every expert of
+            the traced rank (see :mod:`fsdptx.cli._ep`).
 
     Returns:
         A :class:`MemoryEstimate` for rank 0.
 
     Raises:
         TypeError: ``manager`` is not an ``FSDP2Manager``, ``model`` not a
-            module or has no token embedding, ``batch`` or ``seq`` not an int.
+            module or has no token embedding, ``batch`` or ``seq`` not an
+            int, ``routing_skew`` not a number.
         ValueError: ``batch`` or ``seq`` is below 1, ``optimizer`` unknown,
             ``model`` not on the meta device, ``seq`` not divisible by the TP
             size under sequence parallelism, ``cp_rotate`` unknown, with
             ``cp`` > 1 ``seq`` not divisible by ``2 x cp`` (``2 x cp x tp``
             under sequence parallelism) or a model without attention
-            layers to model, a ``moe_mesh`` that splits
-            experts across ``ep`` > 1 ranks (tracing that step needs the
-            model's token dispatch, which the trace does not run), or a plan
-            with no FSDP unit to track.
+            layers to model, ``routing_skew`` below 1 or not finite, or
+            other than 1 without ``ep`` > 1, experts split across ``ep`` > 1
+            that are not transformers' fused experts modules (whose
+            dispatch the trace stands in for), or a plan with no FSDP unit
+            to track.
 
     Example::
 
@@ -223,13 +239,12 @@ def estimate_memory(
         vocab_size(model)
     except TypeError as e:
         raise TypeError(f"{where}: {e}") from None
+    skew = check_routing_skew(routing_skew, where)
     ep = ep_size(manager.moe_mesh)
-    if ep > 1:
+    if ep <= 1 and skew != 1:
         raise ValueError(
-            f"{where}: the moe_mesh splits the experts across ep={ep} ranks; the step's forward then needs "
-            "the model's own token dispatch, which the trace does not run yet. Estimate with a moe_mesh "
-            "without an ep dim (the experts then run whole, so their gathered bytes are an upper bound), or "
-            "read the shape-only figures of `python -m fsdptx plan --moe-mesh ...`"
+            f"{where}: routing_skew={routing_skew!r} applies to experts split across ep > 1 ranks (their token "
+            "dispatch); this manager's moe_mesh has no ep dim > 1"
         )
     tp, cp = manager.dims.tp, manager.dims.cp
     if manager.config.sequence_parallel and tp > 1 and seq % tp:
@@ -250,16 +265,45 @@ def estimate_memory(
             f"{where}: the plan has no FSDP unit, and the trace's tracker (FSDPMemTracker) follows FSDP "
             "units; give the mesh a data-parallel dim"
         )
-    manager.parallelize(model)
+    dispatch = None
+    if ep > 1:
+        problems = expert_dispatch_problems(model, p)
+        if problems:
+            raise ValueError(f"{where}: {problems[0]}")
+        from ..apply._apply import apply_plan
+
+        dispatch = StaticDispatch(skew)
+        apply_plan(p, model, manager.device_mesh, moe_mesh=manager.moe_mesh, hand_ep_mesh=dispatch)
+    else:
+        manager.parallelize(model)
     shards = param_shards(model, p, manager.dims, fsdp_applied=True)
     units = [u.modules[0] for u in p.units]
     trace = trace_step(
         model, batch=batch, seq=seq // cp, units=units, mesh=manager.device_mesh, vocab_sharded_logits=_loss_parallel(p)
     )
+    trace = with_routing(trace, dispatch)
     if cp > 1:
         ring = ring_attention(model, p, cp=cp, tp=tp, rotate_method=cp_rotate, batch=batch, seq=seq)
         trace = with_ring_buffers(trace, ring)
     return estimate_from_trace(trace, shards, batch=batch, seq=seq, optimizer=optimizer)
+
+
+def expert_dispatch_problems(model: nn.Module, plan: Any) -> list[str]:
+    """Why the traced step cannot stand in for the token dispatch of the
+    expert modules ``plan`` splits across ``ep`` (empty when it can)."""
+    ep = plan.expert_parallel
+    if ep is None:
+        return []
+    modules = dict(model.named_modules())
+    return static_dispatch_problems({m: modules[m] for m in ep.modules if m in modules})
+
+
+def with_routing(trace: Trace, dispatch: StaticDispatch | None) -> Trace:
+    """``trace`` with the routing ``dispatch`` assumed and its note."""
+    routing = None if dispatch is None else dispatch.routing()
+    if routing is None:
+        return trace
+    return replace(trace, routing=routing, notes=(*trace.notes, routing.note()))
 
 
 def _loss_parallel(plan: Any) -> bool:
@@ -289,6 +333,7 @@ def traced(
     cp: int = 1,
     tp: int = 1,
     cp_rotate: str = "allgather",
+    dispatch: StaticDispatch | None = None,
 ) -> Trace:
     """:func:`trace_step` for the dry run, which has applied ``plan``
     (``applied == "full"``) on the current fake mesh. A plan without units
@@ -296,7 +341,9 @@ def traced(
     mesh is over the dry run's budget) are refused, each saying why. With
     ``cp`` > 1 the step is traced at ``seq / cp`` and ring attention's
     buffers (``cp_rotate``) are added (:mod:`fsdptx.cli._cp`); the caller
-    has checked that ``seq`` splits."""
+    has checked that ``seq`` splits. ``dispatch`` is the static token
+    dispatch the experts were handed under ``ep`` > 1, whose routing
+    assumption the trace then records (:mod:`fsdptx.cli._ep`)."""
     from ._common import APPLY_BUDGET, UsageError
 
     if not plan.units:
@@ -328,6 +375,7 @@ def traced(
             f"the training step could not be traced under FakeTensorMode ({type(e).__name__}: "
             f"{' '.join(str(e).split())[:300]}); plan without --batch/--seq for the shape-only figures"
         ) from None
+    trace = with_routing(trace, dispatch)
     if cp == 1:
         return trace
     ring = ring_attention(model, plan, cp=cp, tp=tp, rotate_method=cp_rotate, batch=batch, seq=seq)
@@ -363,6 +411,17 @@ def memory_text(m: Mapping[str, Any]) -> list[str]:
                 f"cp={cp['cp']}, {cp['seq_per_rank']} tokens per CP rank traced; ring attention modelled "
                 f"({cp['rotate_method']} rotation): K/V buffer {fmt_bytes(cp['kv_buffer_bytes'])} per layer, "
                 f"+ {fmt_bytes(cp['grad_kv_buffer_bytes'])} fp32 dK/dV in backward ({cp['attention_layers']} layers)",
+            )
+        )
+    ep = m.get("expert_parallel")
+    if ep is not None:
+        routing = "balanced" if ep["routing"] == "balanced" else f"skew {ep['routing_skew']:g}"
+        rows.append(
+            (
+                "expert parallel",
+                f"ep={ep['ep']}, routing {routing} (assumed): {ep['tokens_per_expert']} tokens per local expert "
+                f"x {ep['local_experts']} local experts; all-to-all {ep['send_rows']} rows out, "
+                f"{ep['recv_rows']} in, per experts module",
             )
         )
     rows += [("estimated", note) for note in m["estimated"]]

@@ -19,7 +19,8 @@ from ..core._meshes import KNOWN_DIMS, MOE_KNOWN_DIMS, ParallelDims, ep_size, mo
 from ..plan._plan import Plan
 from ._report import ParamShard
 from ..presets import PRESETS, build_preset
-from ._memory import traced
+from ._ep import StaticDispatch
+from ._memory import expert_dispatch_problems, traced
 from ._trace import Trace
 from ._common import APPLY_BUDGET, MAX_LAYERS, MAX_WORLD, UsageError, _DP_DIMS, _DTYPES, _one_line, param_shards
 
@@ -233,13 +234,16 @@ def dry_run(
     batch_seq: tuple[int, int] | None = None,
     moe: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
     cp_rotate: str = "allgather",
+    routing_skew: float = 1.0,
 ) -> DryRun:
     """Plan with the manager and apply on a fake mesh (within :data:`APPLY_BUDGET`);
     with ``batch_seq``, also trace one training step (:func:`trace_step`;
     with a ``cp`` dim > 1 at ``seq / cp``, ring attention's ``cp_rotate``
     buffers modelled);
     with ``moe`` (shape and dim names), expert modules shard over that MoE
-    mesh, split by expert across its ``ep`` dim when it has one."""
+    mesh, split by expert across its ``ep`` dim when it has one (a traced
+    step then runs their token dispatch at sizes fixed by ``routing_skew``,
+    :mod:`fsdptx.cli._ep`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ..manager import FSDP2Manager
@@ -252,11 +256,12 @@ def dry_run(
         dims = manager.dims
         p = manager.plan(model)
         ep = ep_size(moe_mesh)
+        dispatch = None
         if ep > 1 and batch_seq is not None:
-            raise UsageError(
-                "--batch/--seq/--html trace a training step, whose forward under expert parallelism needs the "
-                "model's token dispatch, which the dry run does not run; drop them or the ep dim of --moe-mesh"
-            )
+            problems = expert_dispatch_problems(model, p)
+            if problems:
+                raise UsageError(problems[0])
+            dispatch = StaticDispatch(routing_skew)
         moe_dims = None
         if moe_mesh is not None and moe is not None:
             flat = moe_fsdp_mesh(moe_mesh, mesh)
@@ -265,7 +270,7 @@ def dry_run(
         fsdp_cost = n_params * (dims.dp_shard if p.units else 0)
         if tp_cost + fsdp_cost <= APPLY_BUDGET:
             if ep > 1:
-                apply_plan(p, model, mesh, moe_mesh=moe_mesh, hand_ep_mesh=_not_dispatched)
+                apply_plan(p, model, mesh, moe_mesh=moe_mesh, hand_ep_mesh=_not_dispatched if dispatch is None else dispatch)
             else:
                 with _plan_warnings_not_logged():
                     manager.parallelize(model)
@@ -286,7 +291,9 @@ def dry_run(
         trace = (
             None
             if batch_seq is None
-            else traced(model, p, applied, batch_seq, mesh, cp=dims.cp, tp=dims.tp, cp_rotate=cp_rotate)
+            else traced(
+                model, p, applied, batch_seq, mesh, cp=dims.cp, tp=dims.tp, cp_rotate=cp_rotate, dispatch=dispatch
+            )
         )
     return DryRun(plan=p, dims=dims, shards=shards, applied=applied, params=n_params, trace=trace, moe=moe_dims)
 

@@ -45,6 +45,7 @@ from ..core._torch_internals import (
     own_propagation_fake_mode,
     tree_leaves,
 )
+from ._ep import ExpertRouting
 from ._ring import RingAttention
 
 __all__ = ["CATEGORIES", "RING_BUFFERS", "Collective", "Sample", "Trace", "trace_step", "vocab_size", "where_label"]
@@ -107,8 +108,8 @@ class Collective:
     reduce_scatter, all_reduce, ...), ``source`` (``fsdp`` for FSDP's
     parameter all-gathers and gradient reduce-scatters, ``tp`` for DTensor's
     redistributions in TP regions, ``replica`` for all-reduces outside
-    FSDP's reduce-scatter: the HSDP replica sync), its output bytes, and
-    where it ran."""
+    FSDP's reduce-scatter: the HSDP replica sync, ``ep`` for the experts'
+    token dispatch), its bytes, and where it ran."""
 
     index: int
     op: str
@@ -176,7 +177,11 @@ class _StepTracker(FSDPMemTracker):
             if op == "all_gather":  # the output is group-size times the input
                 group = next((a for a in args if isinstance(a, int)), 1)
                 nbytes *= group
-            source = "tp_replica_sync" if self.stage == "tp_sync" else "replica" if name == "allreduce_" else "tp"
+            source = (
+                "tp_replica_sync"
+                if self.stage == "tp_sync"
+                else "replica" if name == "allreduce_" else "ep" if op == "all_to_all" else "tp"
+            )
         phase, unit = self._where()
         self.collectives.append(Collective(self._counter, op, source, unit, phase, nbytes))
         self._counter += 1
@@ -193,6 +198,7 @@ class Trace:
     offloaded: bool = False  # traced without CPUOffloadPolicy, which stands for it (see fsdptx.cli._memory)
     notes: tuple[str, ...] = ()  # what was estimated instead of traced
     ring: RingAttention | None = None  # context parallelism's modelled buffers, with cp > 1
+    routing: ExpertRouting | None = None  # the static dispatch's routing assumption, with ep > 1
 
 
 def _logits(out: object) -> torch.Tensor:

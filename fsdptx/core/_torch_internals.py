@@ -26,7 +26,9 @@ What is here, by who needs it:
   dims, a dim of one for replicate-only FSDP, the MoE mesh);
 - async TP: inductor's micro-pipeline switch and symmetric memory;
 - the memory plan's trace: ``FakeTensorMode``, ``FSDPMemTracker`` and two
-  patches that keep its count honest and fast; an operator's name. The
+  patches that keep its count honest and fast; an operator's name; a
+  differentiable functional all-to-all (the traced step's static expert
+  dispatch). The
   trace's tracker subclass (``fsdptx.cli._trace``) also overrides the
   tracker's private ``_update_peak_stats`` hook and reads its
   ``_mod_tracker``: a subclass's overrides live with the subclass;
@@ -79,6 +81,7 @@ __all__ = [
     "fsdp_param_groups",
     "fsdp_state",
     "functional_all_reduce",
+    "functional_all_to_all",
     "local_tensor",
     "flatten_mesh",
     "micro_pipeline_tp",
@@ -141,6 +144,18 @@ def functional_all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     (the memory plan's trace) count it as TP."""
     out = funcol.all_reduce(t.contiguous(), "sum", group)
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def functional_all_to_all(
+    t: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """``all_to_all_single`` of ``t``'s rows over ``group``, out of place and
+    differentiable (its backward is the reverse exchange), waited on: the
+    public ``all_to_all_single`` is in-place and has no autograd, and its
+    autograd twin is the functional one transformers' EP dispatch uses."""
+    out: torch.Tensor = funcol.all_to_all_single_autograd(t.contiguous(), output_sizes, input_sizes, group)
+    waited: torch.Tensor = funcol.wait_tensor(out)
+    return waited
 
 
 # A DTensor's local shard without ``to_local``'s autograd node (DTensors only): for reading

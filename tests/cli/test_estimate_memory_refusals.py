@@ -67,6 +67,22 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], tuple[str, ...]
         _llama, (2, 2), ("dp", "cp"), FSDP2Config(), {"seq": 66},
         ValueError, "estimate_memory: seq=66 is not divisible by 4 .2 x cp = 4 head-tail",
     ),
+    "routing skew as a string": (
+        _llama, (2,), ("dp",), FSDP2Config(), {"routing_skew": "2"},
+        TypeError, "estimate_memory: routing_skew must be a number >= 1 .*got '2'",
+    ),
+    "routing skew below one": (
+        _llama, (2,), ("dp",), FSDP2Config(), {"routing_skew": 0.5},
+        ValueError, "estimate_memory: routing_skew must be a finite number >= 1 .*got 0.5",
+    ),
+    "routing skew not finite": (
+        _llama, (2,), ("dp",), FSDP2Config(), {"routing_skew": float("inf")},
+        ValueError, "estimate_memory: routing_skew must be a finite number >= 1",
+    ),
+    "routing skew without experts split across ep": (
+        _llama, (2,), ("dp",), FSDP2Config(), {"routing_skew": 2.0},
+        ValueError, "estimate_memory: routing_skew=2.0 applies to experts split across ep > 1 ranks",
+    ),
     "cp without attention layers to model": (
         _no_attention, (2, 2), ("dp", "cp"), FSDP2Config(), {},
         ValueError, "estimate_memory: a cp axis > 1 needs Sequential's attention layers",
@@ -101,12 +117,14 @@ def test_a_model_without_a_token_embedding_is_refused_before_planning() -> None:
     assert_unchanged(before, state_of(model))
 
 
-def test_experts_split_across_ep_are_refused_until_the_trace_runs_their_dispatch() -> None:
+def test_experts_split_across_ep_that_are_not_transformers_fused_experts_are_refused() -> None:
+    """The traced step stands in for transformers' dispatch only; a model's
+    own (``set_expert_parallel_mesh``) dispatch is named, model untouched."""
     with torch.device("meta"):
         model = moe_ep_model.build()
     before = state_of(model)
     with fake_mesh((4,), ("dp_shard",)) as mesh:
         moe = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
-        with pytest.raises(ValueError, match=r"estimate_memory: the moe_mesh splits the experts across ep=2 ranks.*token dispatch"):
+        with pytest.raises(ValueError, match=r"estimate_memory: the traced step under ep > 1 stands in for the token dispatch.*layers.0.experts \(GroupedExperts\)"):
             fsdptx.estimate_memory(FSDP2Manager(FSDP2Config(), mesh, moe), model, batch=1, seq=8)
     assert_unchanged(before, state_of(model))

@@ -258,7 +258,7 @@ def _call_with(ctx: dict[str, Any], name: str) -> tuple[Callable[..., object], l
         "FSDP2Manager.maybe_compile": (manager.maybe_compile, [small()], {}),
         "FSDP2Manager.gradient_sync_context": (manager.gradient_sync_context, [small(), False], {}),
         "gradient_sync_context": (fsdptx.gradient_sync_context, [small(), False], {"defer": True}),
-        "estimate_memory": (fsdptx.estimate_memory, [manager, _meta_small()], {"batch": 1, "seq": 4, "optimizer": "adamw", "cp_rotate": "allgather"}),
+        "estimate_memory": (fsdptx.estimate_memory, [manager, _meta_small()], {"batch": 1, "seq": 4, "optimizer": "adamw", "cp_rotate": "allgather", "routing_skew": 1.0}),
         "plan_pipeline": (
             fsdptx.plan_pipeline,
             [small(), fsdptx.shard_by_dtype, fsdptx.PipelineParallelConfig()],
@@ -335,7 +335,7 @@ ARGUMENTS: dict[str, tuple[str, ...]] = {
     "FSDP2Manager.maybe_compile": ("model",),
     "FSDP2Manager.gradient_sync_context": ("model", "is_optimizer_step"),
     "gradient_sync_context": ("model", "is_optimizer_step", "defer"),
-    "estimate_memory": ("manager", "model", "batch", "seq", "optimizer", "cp_rotate"),
+    "estimate_memory": ("manager", "model", "batch", "seq", "optimizer", "cp_rotate", "routing_skew"),
     "plan_pipeline": (
         "model", "transform", "config", "pp", "blocks", "mp_policy", "offload_policy", "reshard_after_forward", "index",
     ),
