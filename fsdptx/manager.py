@@ -277,6 +277,14 @@ class FSDP2Manager:
                 "embedding and the last hidden states, which pipeline stages keep apart: disable MTP under pipeline parallelism"
             )
 
+        if cfg.sequence_parallel and self.dims.tp > 1 and _is_hugging_face(model):
+            raise PlanningError(
+                f"FSDP2Manager: {type(model).__name__} is a Hugging Face model, whose forward derives positions and "
+                "the causal mask from the length of the hidden states it is given; under sequence parallelism every "
+                "pipeline stage after the first is given its seq/tp shard, so those would be wrong. Set "
+                "sequence_parallel=False with pipeline parallelism for this model (tensor parallelism still applies)"
+            )
+
         def stage_pipeline(stage: nn.Module, p: Plan, /) -> Plan:
             planned = self.pipeline(stage)(stage, p)
             self._check_tp(planned, stage, None)
@@ -394,6 +402,12 @@ def _check_pipeline_dims(config: FSDP2Config, mesh: DeviceMesh, dims: ParallelDi
             f"FSDP2Manager: device_mesh has a 'pp' dim of {dims.pp} ranks but no pipeline configuration; pass "
             "FSDP2Config(pipeline_parallel=fsdptx.PipelineParallelConfig(...)), or drop the 'pp' dim"
         )
+
+
+def _is_hugging_face(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers model (its config names a
+    ``model_type``), read without importing transformers."""
+    return isinstance(getattr(getattr(model, "config", None), "model_type", None), str)
 
 
 def _enable_async_tp(mesh: DeviceMesh) -> bool:

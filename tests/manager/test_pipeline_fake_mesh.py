@@ -178,7 +178,7 @@ def test_a_hugging_face_llama_plans_per_stage_as_shipped() -> None:
     import hf_zoo
 
     model = hf_zoo.llama()
-    planned = _plan(model, (2, 1, 2), ("pp", "dp", "tp"), sequence_parallel=True, pipeline={"microbatches": 2})
+    planned = _plan(model, (2, 1, 2), ("pp", "dp", "tp"), pipeline={"microbatches": 2})
     assert planned.pipeline is not None
     assert [s.modules for s in planned.pipeline.stages] == [
         ("model.embed_tokens", "model.layers.0"),

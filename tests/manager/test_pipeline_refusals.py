@@ -146,6 +146,26 @@ def test_multi_token_prediction_under_pipeline_parallelism_is_refused() -> None:
     _refused(model, _config(), "has multi-token prediction enabled.*disable MTP under pipeline parallelism")
 
 
+def test_a_hugging_face_model_under_sequence_parallelism_is_refused_at_planning() -> None:
+    """Its forward builds positions and the causal mask from the hidden
+    states' length, which on later stages would be the seq/tp shard."""
+    pytest.importorskip("transformers")
+    import hf_zoo
+
+    model = hf_zoo.llama("cpu", torch.float32)
+    config = FSDP2Config(mp_policy=None, sequence_parallel=True, pipeline_parallel=PipelineParallelConfig(microbatches=2))
+    before = state_of(model)
+    with fake_mesh((2, 2), ("pp", "tp")) as mesh:
+        manager = FSDP2Manager(config, mesh)
+        for call in (manager.plan, lambda m: manager.parallelize(m, loss_fn=loss_fn)):
+            with pytest.raises(PlanningError, match=r"LlamaForCausalLM is a Hugging Face model.*sequence_parallel=False"):
+                call(model)
+        # Without SP the same mesh plans TP stages.
+        planned = FSDP2Manager(dataclasses.replace(config, sequence_parallel=False), mesh).plan(model)
+    assert planned.pipeline is not None and len(planned.pipeline.stages) == 2
+    assert_unchanged(before, state_of(model))
+
+
 def test_a_pp_dim_without_a_pipeline_configuration_is_refused() -> None:
     with fake_mesh((2, 2), ("pp", "dp")) as mesh:
         with pytest.raises(ValueError, match="a 'pp' dim of 2 ranks but no pipeline configuration; pass "
