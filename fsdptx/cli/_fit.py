@@ -41,8 +41,8 @@ copies (at least the sharded parameters to the device and the sharded
 gradients back, per step).
 
 Those that fit, within the budget less ``--headroom``, are ranked by the
-step time :mod:`fsdptx.cli._hardware` predicts from those bytes, the links
-they cross and the step's FLOPs: bytes alone weigh a PCIe byte like an
+tokens per second per GPU of the step :mod:`fsdptx.cli._hardware` predicts
+from those bytes, the links they cross and the step's FLOPs: bytes alone weigh a PCIe byte like an
 NVLink byte and a byte hidden behind compute like an exposed one.
 """
 
@@ -403,9 +403,10 @@ def shards_for(model: nn.Module, plan: Plan, dims: Any, ep: int = 1) -> Callable
 
 
 def rank(candidates: Sequence[Candidate], budget: int) -> tuple[Candidate, ...]:
-    """Those within ``budget``, best first: the least predicted step time,
-    then (on a tie) least recompute, no offload, least communication and
-    the smallest peak.
+    """Those within ``budget``, best first: the most tokens per second per
+    GPU the predicted step gives (candidates train different global
+    batches, so step times alone do not compare), then (on a tie) least
+    recompute, no offload, least communication and the smallest peak.
 
     Raises:
         ValueError: a candidate without a predicted step time.
@@ -415,7 +416,7 @@ def rank(candidates: Sequence[Candidate], budget: int) -> tuple[Candidate, ...]:
         sorted(
             fitting,
             key=lambda c: (
-                c.predicted.total,
+                -c.predicted.tokens_per_s,
                 _RECOMPUTE[c.activation_checkpointing],
                 c.offload,
                 c.comm_total,
@@ -533,7 +534,8 @@ def search(
                         skipped.append(f"--mesh {_mesh_text(mesh)} ac={ac or 'off'}: {_short(e)}")
                         continue
                     candidates += [
-                        dataclasses.replace(c, step=predict(c.mesh, c.comm_bytes, flops, hardware)) for c in evaluated
+                        dataclasses.replace(c, step=predict(c.mesh, c.comm_bytes, flops, hardware, tokens=batch * seq / tp))
+                        for c in evaluated
                     ]
     return FitResult(
         gpus, budget, headroom, hardware, tuple(candidates), rank(candidates, budget - headroom), tuple(skipped)
@@ -702,7 +704,7 @@ def run_fit(args: Any) -> str:
         f"fsdptx plan --fit: {name} on {gpus} GPUs x {format_bytes(budget)} (usable {format_bytes(usable)}: "
         f"--headroom {headroom_text} = {format_bytes(headroom)} for the CUDA context, NCCL buffers and "
         f"fragmentation), batch {batch} x seq {seq} per data-parallel rank: {len(result.fitting)} of "
-        f"{len(result.candidates)} configurations fit, best first by predicted step time",
+        f"{len(result.candidates)} configurations fit, best first by predicted tokens per second per GPU",
         f"hardware: {hw.text()} (--gpu, --flops, --nvlink, --network, --pcie, --gpus-per-node, --mfu)",
         f"time model, a ranking aid and not a measurement: {TIME_MODEL}",
     ]
@@ -712,7 +714,7 @@ def run_fit(args: Any) -> str:
         links = ", ".join(f"{dim} {link}" for dim, link in t.links.items())
         lines.append(
             f"{i:3}. {' '.join(c.cli_args()[:4 if c.ep > 1 else 2])}  ac={c.activation_checkpointing or 'off'}  offload={'on' if c.offload else 'off'}"
-            f"  peak {format_bytes(c.peak_bytes)}  predicted {_ms(t.total)}"
+            f"  peak {format_bytes(c.peak_bytes)}  predicted {_ms(t.total)} per step, {t.tokens_per_s:,.0f} tokens/s per GPU"
         )
         lines.append(
             f"     compute {_ms(t.compute)}, TP comm {_ms(t.tp)}, DP comm {_ms(t.dp)} ({_ms(t.dp_exposed)} exposed), "
@@ -735,7 +737,8 @@ TIME_MODEL = (
     f"+ {2 * SELECTIVE_RECOMPUTE:g}N selective) x batch x seq / tp over flops x mfu; TP collectives exposed; "
     "FSDP/HSDP collectives overlap compute (only what exceeds it counts); offload host copies exposed at PCIe "
     "(the host optimizer step not counted); a dim's collectives take NVLink when its groups lie inside a node, "
-    "else the network"
+    "else the network; ranked by tokens per second per GPU (batch x seq / tp per step), as --batch is per "
+    "data-parallel rank and candidates train different global batches"
 )
 """The rule :mod:`fsdptx.cli._hardware` predicts by, as the output states it."""
 

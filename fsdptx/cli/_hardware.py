@@ -186,13 +186,23 @@ class StepTime:
     """One candidate's predicted step in seconds: ``compute``, ``tp`` and
     ``dp`` communication (``dp`` overlaps compute, so ``total`` counts only
     what exceeds it), ``offload`` host copies, and the link each mesh dim's
-    collectives take."""
+    collectives take; ``tokens`` is what the step trains per GPU.
+
+    Candidates of one world train different global batches (``--batch`` is
+    per data-parallel rank, and TP makes fewer of them), so they compare by
+    :attr:`tokens_per_s`, not by ``total``."""
 
     compute: float
     tp: float
     dp: float
     offload: float
     links: dict[str, str]
+    tokens: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens trained per second per GPU."""
+        return self.tokens / self.total if self.total > 0 else math.inf
 
     @property
     def dp_exposed(self) -> float:
@@ -210,13 +220,18 @@ class StepTime:
             "dp_comm_exposed_ms": self.dp_exposed * 1e3,
             "offload_ms": self.offload * 1e3,
             "total_ms": self.total * 1e3,
+            "tokens_per_gpu": self.tokens,
+            "tokens_per_s_per_gpu": self.tokens_per_s,
             "links": self.links,
         }
 
 
-def predict(mesh: Mapping[str, int], comm_bytes: Mapping[str, int], flops: float, hw: Hardware) -> StepTime:
+def predict(
+    mesh: Mapping[str, int], comm_bytes: Mapping[str, int], flops: float, hw: Hardware, *, tokens: float
+) -> StepTime:
     """The step time of one rank doing ``flops`` and moving ``comm_bytes``
-    (per kind, as :class:`fsdptx.cli._fit.Candidate` counts them) on ``mesh``.
+    (per kind, as :class:`fsdptx.cli._fit.Candidate` counts them) on
+    ``mesh``, training ``tokens`` per GPU.
 
     Raises:
         ValueError: a kind of communication with no known link, or bytes
@@ -239,4 +254,4 @@ def predict(mesh: Mapping[str, int], comm_bytes: Mapping[str, int], flops: float
         links[dim] = link_of(mesh, dim, hw.gpus_per_node)
         bandwidth = hw.nvlink if links[dim] == "nvlink" else hw.network
         seconds["tp" if dim == "tp" else "dp"] += nbytes / bandwidth
-    return StepTime(flops / (hw.flops * hw.mfu), seconds["tp"], seconds["dp"], offload, links)
+    return StepTime(flops / (hw.flops * hw.mfu), seconds["tp"], seconds["dp"], offload, links, tokens)

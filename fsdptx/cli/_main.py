@@ -416,7 +416,7 @@ def _parser() -> _Parser:
         "[dp_replicate x] ep_shard x ep, ep taken from dp_shard x tp; default 1: experts in their blocks)",
     )
     fit = p.add_argument_group(
-        "--fit's step-time model", "rank what fits by a predicted step time: a ranking aid, not a measurement"
+        "--fit's step-time model", "rank what fits by a predicted step's throughput: a ranking aid, not a measurement"
     )
     fit.add_argument(
         "--headroom",

@@ -49,8 +49,8 @@ def test_more_bytes_never_predict_a_faster_step(
 ) -> None:
     mesh, nbytes, flops = step
     assume(nbytes[kind] > 0 or kind == "offload_host_copies")  # a dim the mesh lacks carries no bytes
-    before = predict(mesh, nbytes, flops, hw).total
-    after = predict(mesh, {**nbytes, kind: nbytes[kind] + more}, flops, hw).total
+    before = predict(mesh, nbytes, flops, hw, tokens=1.0).total
+    after = predict(mesh, {**nbytes, kind: nbytes[kind] + more}, flops, hw, tokens=1.0).total
     assert after >= before
 
 
@@ -59,8 +59,8 @@ def test_a_slower_link_never_predicts_a_faster_step(
     step: tuple[dict[str, int], dict[str, int], float], hw: Hardware, link: str, slower: float
 ) -> None:
     mesh, nbytes, flops = step
-    before = predict(mesh, nbytes, flops, hw).total
-    after = predict(mesh, nbytes, flops, dataclasses.replace(hw, **{link: getattr(hw, link) / slower})).total
+    before = predict(mesh, nbytes, flops, hw, tokens=1.0).total
+    after = predict(mesh, nbytes, flops, dataclasses.replace(hw, **{link: getattr(hw, link) / slower}), tokens=1.0).total
     assert after >= before
 
 
@@ -69,4 +69,4 @@ def test_more_work_never_predicts_a_faster_step(
     step: tuple[dict[str, int], dict[str, int], float], hw: Hardware, more: float
 ) -> None:
     mesh, nbytes, flops = step
-    assert predict(mesh, nbytes, flops + more, hw).total >= predict(mesh, nbytes, flops, hw).total
+    assert predict(mesh, nbytes, flops + more, hw, tokens=1.0).total >= predict(mesh, nbytes, flops, hw, tokens=1.0).total

@@ -1,5 +1,5 @@
-"""``plan --fit`` ranks what fits by a predicted step time under a stated
-hardware model: host copies cost PCIe time, so offload ranks below the same
+"""``plan --fit`` ranks what fits by the throughput of a predicted step
+under a stated hardware model: host copies cost PCIe time, so offload ranks below the same
 configuration without it; ``--headroom`` leaves memory out of the budget;
 ``--flops`` and the other figures override a ``--gpu`` preset; bad hardware
 figures are refused in one line before anything is built."""
@@ -66,6 +66,8 @@ def test_every_candidate_carries_its_predicted_breakdown(roomy: dict[str, Any]) 
         assert t["compute_ms"] > 0
         assert t["total_ms"] == pytest.approx(max(t["compute_ms"], t["dp_comm_ms"]) + t["tp_comm_ms"] + t["offload_ms"])
         assert (t["offload_ms"] > 0) == c["offload"]
+        assert t["tokens_per_gpu"] == 256 / c["mesh"].get("tp", 1)  # batch 1 x seq 256 per TP group
+        assert t["tokens_per_s_per_gpu"] == pytest.approx(t["tokens_per_gpu"] / (t["total_ms"] / 1e3))
         assert ("tp" in t["links"]) == (c["mesh"].get("tp", 1) > 1)
         assert set(t["links"].values()) <= {"nvlink"}  # 8 GPUs: one node
 
