@@ -35,10 +35,15 @@ Communication per step and rank is what each rank sends or receives on the
 wire (ring algorithms): an all-gather or reduce-scatter of ``B`` bytes over
 ``n`` ranks moves ``B (n-1)/n``, an all-reduce ``2 B (n-1)/n``. FSDP's
 come from the plan's units (two all-gathers for a unit that reshards after
-forward, one reduce-scatter), HSDP's all-reduce of the sharded gradients
+forward, one reduce-scatter), each of the rank's TP shard of them, HSDP's all-reduce of the sharded gradients
 over ``dp_replicate``, TP's from the traced step. Offload adds its host
 copies (at least the sharded parameters to the device and the sharded
-gradients back, per step), so it ranks below the same mesh without it.
+gradients back, per step).
+
+Those that fit, within the budget less ``--headroom``, are ranked by the
+tokens per second per GPU of the step :mod:`fsdptx.cli._hardware` predicts
+from those bytes, the links they cross and the step's FLOPs: bytes alone weigh a PCIe byte like an
+NVLink byte and a byte hidden behind compute like an exposed one.
 """
 
 from __future__ import annotations
@@ -52,12 +57,13 @@ from typing import Any
 from torch import nn
 
 from ..plan._plan import Plan
+from ._hardware import SELECTIVE_RECOMPUTE, Hardware, StepTime, predict, step_flops
 from ._memory import disable_kv_cache
 from ._scaling import at_shard_count, rescale, steady_bytes, traced_steady
 from ._trace import Trace
-from ._report import ParamShard, step_traffic
+from ._report import ParamShard, ceil_div, step_traffic
 
-__all__ = ["Candidate", "FitResult", "parse_fit", "search"]
+__all__ = ["Candidate", "FitResult", "matmul_params", "parse_fit", "parse_headroom", "search"]
 
 TRACE_LAYERS = 3
 """Models with more blocks are traced at ``TRACE_LAYERS - 1`` and
@@ -72,6 +78,33 @@ _SIZES.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 _FIT = re.compile(r"^\s*(\d+)\s*x\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*$", re.IGNORECASE)
 AC_MODES: tuple[str | bool, ...] = (False, "selective", "full")
 _RECOMPUTE = {False: 0, "selective": 1, "full": 2}
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*$", re.IGNORECASE)
+
+DEFAULT_HEADROOM = "10%"
+"""Memory per GPU the search leaves out of the budget: the CUDA context
+(0.5-1 GiB), NCCL's communicator buffers and the caching allocator's
+fragmentation, none of which the traced step holds; 10% of 80 GiB is 8 GiB."""
+
+
+def parse_headroom(text: str, budget: int) -> int:
+    """``--headroom``: ``"10%"`` of ``budget`` or bytes such as ``"4GiB"``, in bytes.
+
+    Raises:
+        ValueError: naming the text: not a percentage or a size, or leaving
+            no memory of ``budget``.
+    """
+    if (m := _PERCENT.match(text)) is not None:
+        headroom = int(budget * float(m.group(1)) / 100)
+    elif (m := _BYTES.match(text)) is not None:
+        headroom = int(float(m.group(1)) * _SIZES[m.group(2).upper()])
+    elif text.strip() == "0":
+        headroom = 0
+    else:
+        raise ValueError(f"malformed --headroom {text!r}: expected a percentage such as 10% or a size such as 4GiB")
+    if headroom >= budget:
+        raise ValueError(f"--headroom {text!r} leaves nothing of the {budget:,} bytes per GPU that --fit gives")
+    return headroom
 
 
 def parse_fit(text: str) -> tuple[int, int]:
@@ -114,6 +147,13 @@ class Candidate:
     extrapolated: bool
     mp: str = "bf16"  # the dry run's --mp: bf16 is FSDP2Config's default policy
     ep: int = 1  # experts split across this many ranks (--fit --ep)
+    step: StepTime | None = None  # predicted by the search's hardware model
+
+    @property
+    def predicted(self) -> StepTime:
+        if self.step is None:
+            raise ValueError(f"--mesh {self.mesh_arg}: no step time predicted")
+        return self.step
 
     @property
     def comm_total(self) -> int:
@@ -186,6 +226,7 @@ class Candidate:
             "optimizer_bytes": self.optimizer_bytes,
             "comm_bytes": self.comm_bytes,
             "comm_total_bytes": self.comm_total,
+            "predicted_step": None if self.step is None else self.step.to_json(),
             "extrapolated": self.extrapolated,
             "config": self.config_text(),
             "argv": self.cli_args(),
@@ -194,10 +235,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class FitResult:
-    """All candidates evaluated, and those that fit, best first."""
+    """All candidates evaluated, and those that fit within ``budget`` less
+    ``headroom``, best first."""
 
     gpus: int
     budget: int
+    headroom: int
+    hardware: Hardware
     candidates: tuple[Candidate, ...]
     fitting: tuple[Candidate, ...]
     skipped: tuple[str, ...]
@@ -299,9 +343,10 @@ def evaluate(
     params, grads, states = steady_bytes(full_shards, optimizer)
     comm: dict[str, int] = {}
     gathered = reduced = 0.0
-    for traffic in step_traffic(full_plan):
-        gathered += traffic.all_gather_bytes
-        reduced += traffic.reduce_scatter_bytes
+    for unit, traffic in zip(full_plan.units, step_traffic(full_plan)):
+        share = _tp_local_share(unit.params, full_shards, tp)
+        gathered += traffic.all_gather_bytes * share
+        reduced += traffic.reduce_scatter_bytes * share
     comm["fsdp_all_gather"] = _ring(gathered, shard)
     comm["fsdp_reduce_scatter"] = _ring(reduced, shard)
     grad_numel = sum(s.local_numel for s in full_shards.values() if s.requires_grad)
@@ -322,6 +367,17 @@ def evaluate(
         extrapolated=len(measured.traces) > 1,
         ep=ep,
     )
+
+
+def _tp_local_share(params: Sequence[str], shards: Mapping[str, ParamShard], tp: int) -> float:
+    """The share of a unit's elements one TP rank holds, so gathers: FSDP
+    shards each rank's TP shard (``numel / tp`` of a TP-split parameter, all
+    of a replicated one), not the whole parameter the plan's unit counts."""
+    known = [shards[f] for f in params if f in shards]
+    whole = sum(s.numel for s in known)
+    if whole == 0:
+        return 1.0
+    return sum(ceil_div(s.numel, tp) if s.tp_sharded else s.numel for s in known) / whole
 
 
 def shards_for(model: nn.Module, plan: Plan, dims: Any, ep: int = 1) -> Callable[[int], dict[str, ParamShard]]:
@@ -347,15 +403,40 @@ def shards_for(model: nn.Module, plan: Plan, dims: Any, ep: int = 1) -> Callable
 
 
 def rank(candidates: Sequence[Candidate], budget: int) -> tuple[Candidate, ...]:
-    """Those within ``budget``, best first: least communication, then least
-    recompute, then no offload, then the smallest peak."""
+    """Those within ``budget``, best first: the most tokens per second per
+    GPU the predicted step gives (candidates train different global
+    batches, so step times alone do not compare), then (on a tie) least
+    recompute, no offload, least communication and the smallest peak.
+
+    Raises:
+        ValueError: a candidate without a predicted step time.
+    """
     fitting = [c for c in candidates if c.peak_bytes <= budget]
     return tuple(
         sorted(
             fitting,
-            key=lambda c: (c.comm_total, _RECOMPUTE[c.activation_checkpointing], c.offload, c.peak_bytes),
+            key=lambda c: (
+                -c.predicted.tokens_per_s,
+                _RECOMPUTE[c.activation_checkpointing],
+                c.offload,
+                c.comm_total,
+                c.peak_bytes,
+            ),
         )
     )
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Parameters that multiply activations, for the 6N rule: every distinct
+    parameter but an embedding table's, which a lookup reads without
+    FLOPs, unless another module (a tied head) uses it too."""
+    found: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        for p in module.parameters(recurse=False):
+            found[id(p)] = p.numel()
+    return sum(found.values())
 
 
 def search(
@@ -368,6 +449,9 @@ def search(
     seq: int,
     optimizer: str,
     config: Callable[..., Any],
+    hardware: Hardware,
+    flops_params: int,
+    headroom: int = 0,
     ep: int = 1,
 ) -> FitResult:
     """Evaluate every candidate of a ``gpus``-rank world against ``budget`` bytes.
@@ -382,6 +466,10 @@ def search(
         seq: tokens per sequence.
         optimizer: ``adamw``, ``sgd`` or ``none``.
         config: ``FSDP2Config`` with the dry run's fixed settings bound.
+        hardware: what the step times are predicted on.
+        flops_params: the model's parameters that multiply
+            (:func:`matmul_params`), for its FLOPs per token.
+        headroom: bytes of ``budget`` left out of what a candidate may hold.
         ep: split the experts across this many ranks in every candidate
             (their MoE mesh: :attr:`Candidate.moe_mesh`); meshes whose
             shard x TP ranks it does not divide are skipped. The traces run
@@ -434,16 +522,24 @@ def search(
                     label = f"tp={tp}, ac={ac or 'off'}" + (", dp_replicate > 1" if replicated else "")
                     skipped.append(f"{label}: {_short(e)}")
                     continue
+                flops = step_flops(flops_params, batch * seq, ac) / tp  # TP splits every matmul
                 for mesh in group:
                     shards = full_at(mesh["dp_shard"])
                     try:
-                        candidates += [
+                        evaluated = [
                             evaluate(mesh, ac, offload, measured, shards, full.plan, layers or 0, optimizer, ep)
                             for offload in (False, True)
                         ]
                     except ValueError as e:
                         skipped.append(f"--mesh {_mesh_text(mesh)} ac={ac or 'off'}: {_short(e)}")
-    return FitResult(gpus, budget, tuple(candidates), rank(candidates, budget), tuple(skipped))
+                        continue
+                    candidates += [
+                        dataclasses.replace(c, step=predict(c.mesh, c.comm_bytes, flops, hardware, tokens=batch * seq / tp))
+                        for c in evaluated
+                    ]
+    return FitResult(
+        gpus, budget, headroom, hardware, tuple(candidates), rank(candidates, budget - headroom), tuple(skipped)
+    )
 
 
 def _mesh_text(mesh: Mapping[str, int]) -> str:
@@ -518,12 +614,26 @@ def run_fit(args: Any) -> str:
     from ..manager import FSDP2Config
     from ..core._sizes import format_bytes
     from ._common import UsageError, mp_policy
+    from ._hardware import DEFAULT_GPU, hardware
     from ._run import _batch_seq, build_model
 
     try:
         gpus, budget = parse_fit(args.fit)
+        headroom_text = DEFAULT_HEADROOM if args.headroom is None else args.headroom
+        headroom = parse_headroom(headroom_text, budget)
+        hw = hardware(
+            DEFAULT_GPU if args.gpu is None else args.gpu,
+            flops=args.flops,
+            nvlink=args.nvlink,
+            network=args.network,
+            pcie=args.pcie,
+            gpus_per_node=args.gpus_per_node,
+            mfu=args.mfu,
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.top is not None and args.top < 1:
+        raise UsageError(f"--top must be >= 1, got {args.top}")
     batch_seq = _batch_seq(args)
     assert batch_seq is not None  # --fit asks for a trace
     batch, seq = batch_seq
@@ -542,7 +652,18 @@ def run_fit(args: Any) -> str:
 
     try:
         result = search(
-            build, layers, gpus, budget, batch=batch, seq=seq, optimizer=args.optimizer, config=config, ep=args.ep
+            build,
+            layers,
+            gpus,
+            budget,
+            batch=batch,
+            seq=seq,
+            optimizer=args.optimizer,
+            config=config,
+            hardware=hw,
+            flops_params=matmul_params(model),
+            headroom=headroom,
+            ep=args.ep,
         )
         result = dataclasses.replace(
             result,
@@ -551,36 +672,57 @@ def run_fit(args: Any) -> str:
         )
     except ValueError as e:
         raise UsageError(f"cannot fit {name}: {' '.join(str(e).split())}") from None
+    usable = budget - headroom
+    shown = result.fitting[: args.top]
+    rejected = []
+    for c in sorted(result.candidates, key=lambda c: c.peak_bytes):
+        if c not in result.fitting:
+            over = f"predicted peak {format_bytes(c.peak_bytes)} over the usable {format_bytes(usable)}"
+            rejected.append({**c.to_json(), "rejected_because": over})
     data = {
         "model": name,
         "fit": {
             "gpus": gpus,
             "budget_bytes": budget,
+            "headroom_bytes": headroom,
+            "usable_bytes": usable,
             "batch": batch,
             "seq": seq,
             "optimizer": args.optimizer,
+            "hardware": hw.to_json(),
+            "time_model": TIME_MODEL,
             "evaluated": len(result.candidates),
-            "fitting": [c.to_json() for c in result.fitting],
-            "not_fitting": [
-                c.to_json() for c in sorted(result.candidates, key=lambda c: c.peak_bytes) if c not in result.fitting
-            ],
+            "fitting_total": len(result.fitting),
+            "fitting": [c.to_json() for c in shown],
+            "not_fitting": rejected,
             "skipped": list(result.skipped),
         },
     }
     if args.json:
         return json.dumps(data, indent=2)
     lines = [
-        f"fsdptx plan --fit: {name} on {gpus} GPUs x {format_bytes(budget)}, batch {batch} x seq {seq} per "
-        f"data-parallel rank: {len(result.fitting)} of {len(result.candidates)} configurations fit "
-        "(best first: least communication per step, then least recompute)",
+        f"fsdptx plan --fit: {name} on {gpus} GPUs x {format_bytes(budget)} (usable {format_bytes(usable)}: "
+        f"--headroom {headroom_text} = {format_bytes(headroom)} for the CUDA context, NCCL buffers and "
+        f"fragmentation), batch {batch} x seq {seq} per data-parallel rank: {len(result.fitting)} of "
+        f"{len(result.candidates)} configurations fit, best first by predicted tokens per second per GPU",
+        f"hardware: {hw.text()} (--gpu, --flops, --nvlink, --network, --pcie, --gpus-per-node, --mfu)",
+        f"time model, a ranking aid and not a measurement: {TIME_MODEL}",
     ]
-    for i, c in enumerate(result.fitting, 1):
+    for i, c in enumerate(shown, 1):
         comm = ", ".join(f"{k} {format_bytes(v)}" for k, v in c.comm_bytes.items() if v)
+        t = c.predicted
+        links = ", ".join(f"{dim} {link}" for dim, link in t.links.items())
         lines.append(
             f"{i:3}. {' '.join(c.cli_args()[:4 if c.ep > 1 else 2])}  ac={c.activation_checkpointing or 'off'}  offload={'on' if c.offload else 'off'}"
-            f"  peak {format_bytes(c.peak_bytes)}  comm {format_bytes(c.comm_total)} ({comm or 'none'})"
+            f"  peak {format_bytes(c.peak_bytes)}  predicted {_ms(t.total)} per step, {t.tokens_per_s:,.0f} tokens/s per GPU"
+        )
+        lines.append(
+            f"     compute {_ms(t.compute)}, TP comm {_ms(t.tp)}, DP comm {_ms(t.dp)} ({_ms(t.dp_exposed)} exposed), "
+            f"offload {_ms(t.offload)}; comm {format_bytes(c.comm_total)} ({comm or 'none'}){f'; {links}' if links else ''}"
         )
         lines.append(f"     {c.config_text()}  # python -m fsdptx plan <model options> {' '.join(c.cli_args())}")
+    if len(shown) < len(result.fitting):
+        lines.append(f"... {len(result.fitting) - len(shown)} more fit (--top {args.top} shows the first)")
     lines += [f"skipped {s}" for s in result.skipped]
     if any(c.extrapolated for c in result.candidates):
         lines.append(
@@ -588,6 +730,21 @@ def run_fit(args: Any) -> str:
             "extrapolated linearly; parameters, gradients and optimizer state are exact)"
         )
     return "\n".join(lines)
+
+
+TIME_MODEL = (
+    "compute = 6N FLOPs per token (N: the parameters that multiply; + 2N full checkpointing, "
+    f"+ {2 * SELECTIVE_RECOMPUTE:g}N selective) x batch x seq / tp over flops x mfu; TP collectives exposed; "
+    "FSDP/HSDP collectives overlap compute (only what exceeds it counts); offload host copies exposed at PCIe "
+    "(the host optimizer step not counted); a dim's collectives take NVLink when its groups lie inside a node, "
+    "else the network; ranked by tokens per second per GPU (batch x seq / tp per step), as --batch is per "
+    "data-parallel rank and candidates train different global batches"
+)
+"""The rule :mod:`fsdptx.cli._hardware` predicts by, as the output states it."""
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
 
 
 def _block_count(args: Any, model: nn.Module) -> int | None:

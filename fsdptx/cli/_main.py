@@ -42,6 +42,7 @@ from ._common import UsageError, _DTYPES, _dtype, _one_line, _rows, mp_policy
 from ._diff import PlanFileError, add_diff_parser, run_diff
 from ._cp import ROTATE_METHODS, cp_seq_error
 from ._ep import check_routing_skew
+from ._hardware import DEFAULT_GPU, DEFAULT_GPUS_PER_NODE, DEFAULT_MFU, GPUS
 from ._memory import disable_kv_cache, memory_json, memory_text
 from ._pipeline import add_pipeline_arguments, pipeline_config, run_pipeline_plan
 from ._report import OPTIMIZER_STATES, PAD_FLAG_RATIO, MemoryPlan, UnitTraffic, memory_plan, step_traffic
@@ -420,6 +421,27 @@ def _parser() -> _Parser:
         help="with --fit: split the experts across N ranks in every candidate (MoE mesh "
         "[dp_replicate x] ep_shard x ep, ep taken from dp_shard x tp; default 1: experts in their blocks)",
     )
+    fit = p.add_argument_group(
+        "--fit's step-time model", "rank what fits by a predicted step's throughput: a ranking aid, not a measurement"
+    )
+    fit.add_argument(
+        "--headroom",
+        metavar="BYTES|PERCENT",
+        help="memory per GPU left out of --fit's budget (CUDA context, NCCL buffers, fragmentation), "
+        "e.g. 4GiB or 10%% (default 10%%)",
+    )
+    fit.add_argument("--gpu", help=f"hardware preset: {', '.join(sorted(GPUS))} (default {DEFAULT_GPU})")
+    fit.add_argument("--flops", type=float, metavar="TFLOPS", help="dense bf16 peak per GPU in TFLOP/s (overrides --gpu's)")
+    fit.add_argument("--nvlink", type=float, metavar="GBPS", help="NVLink GB/s per GPU and direction (overrides --gpu's)")
+    fit.add_argument(
+        "--network", type=float, metavar="GBPS", help="inter-node network GB/s per GPU and direction (overrides --gpu's)"
+    )
+    fit.add_argument("--pcie", type=float, metavar="GBPS", help="host link GB/s per GPU and direction (overrides --gpu's)")
+    fit.add_argument(
+        "--gpus-per-node", type=int, metavar="N", help=f"GPUs sharing a node's NVLink (default {DEFAULT_GPUS_PER_NODE})"
+    )
+    fit.add_argument("--mfu", type=float, help=f"share of the peak the step reaches, in (0, 1] (default {DEFAULT_MFU:g})")
+    fit.add_argument("--top", type=int, metavar="K", help="list only the K best of what fits (default all)")
     p.add_argument(
         "--cp-rotate",
         choices=list(ROTATE_METHODS),
@@ -437,6 +459,9 @@ def _parser() -> _Parser:
     add_pipeline_arguments(p)
     add_diff_parser(sub)
     return parser
+
+
+_FIT_ONLY = ("headroom", "gpu", "flops", "nvlink", "network", "pcie", "gpus_per_node", "mfu", "top")
 
 
 def run_plan(args: argparse.Namespace) -> str:
@@ -457,8 +482,8 @@ def run_plan(args: argparse.Namespace) -> str:
             raise UsageError("--fit does not enumerate cp, so --cp-rotate has nothing to size; plan one cp mesh with it")
         if args.routing_skew is not None:
             raise UsageError(
-                "--fit traces its ep candidates with balanced routing; plan one of them with --moe-mesh and "
-                "--routing-skew F"
+                "--routing-skew sizes the experts' token dispatch of one traced step, which --fit does not "
+                "trace; plan one of its candidates with --moe-mesh and --routing-skew F"
             )
         if args.moe_mesh is not None:
             raise UsageError(
@@ -469,6 +494,9 @@ def run_plan(args: argparse.Namespace) -> str:
         return run_fit(args)
     if args.ep != 1:
         raise UsageError("--ep applies to --fit; for one mesh give --moe-mesh with an ep axis")
+    given = [f"--{k.replace('_', '-')}" for k in _FIT_ONLY if getattr(args, k) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} apply to --fit (they rank its candidates by a predicted step time)")
     shape, names = parse_mesh(args.mesh)
     pipeline = pipeline_config(args, names)
     batch_seq = _batch_seq(args)
