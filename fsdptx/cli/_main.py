@@ -468,7 +468,7 @@ def run_plan(args: argparse.Namespace) -> str:
     from ..manager import FSDP2Config
 
     if args.fit is not None:
-        from ._fit import run_fit
+        from ._fit_command import run_fit
 
         if args.html is not None:
             raise UsageError(
