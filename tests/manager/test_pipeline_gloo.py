@@ -159,7 +159,25 @@ def _train(layout: str) -> tuple[dict[str, Any], fsdptx.PipelineStages]:
             mean /= mesh["dp"].size()
         out["losses"] = mean.tolist()
     out["params"] = {n: full(p) for m in stages for n, p in m.named_parameters()}
+    if "tp" in names:
+        out["audit"] = _audit_with_one_drift(stages, mesh)
     return out, stages
+
+
+def _audit_with_one_drift(stages: fsdptx.PipelineStages, mesh: DeviceMesh) -> dict[str, Any]:
+    """``audit_replicas`` on the stages after training (replicas in sync),
+    then with one TP-replicated norm weight nudged on TP rank 1 of each
+    stage (found, by its whole-model FQN)."""
+    clean = fsdptx.audit_replicas(stages, mesh)
+    nudged = []
+    for module in stages:
+        name, p = next((n, p) for n, p in module.named_parameters() if "norm" in n and isinstance(p, DTensor))
+        if mesh["tp"].get_local_rank() == 1:
+            with torch.no_grad():
+                p.to_local().add_(1.0)
+        nudged.append(name)
+    drifted = fsdptx.audit_replicas(stages, mesh)
+    return {"clean": clean.ok, "drifted": drifted.ok, "found": sorted(d.fqn for d in drifted.drifted), "nudged": nudged}
 
 
 def _save(stages: fsdptx.PipelineStages, directory: str) -> list[str]:
@@ -223,6 +241,16 @@ def test_pipelined_training_matches_one_process(runs: list[dict[str, Any]], layo
     # the steps move the weights far beyond the tolerance: the comparison has teeth
     moved = [n for n in want if (want[n] - initial[n]).abs().max() > 100 * REL * want[n].abs().max()]
     assert len(moved) >= len(want) // 2, f"{layout}: only {moved} moved"
+
+
+def test_replica_audit_of_tp_stages_is_clean_after_training_and_names_a_drifted_norm(runs: list[dict[str, Any]]) -> None:
+    audits = [r["decoder pp2 x tp2 SP"]["audit"] for r in runs]
+    for rank, a in enumerate(audits):
+        assert a["clean"], f"rank {rank}: replicas drifted in training"
+        assert not a["drifted"], f"rank {rank}: the nudged norm went unseen"
+        assert set(a["nudged"]) <= set(a["found"]), (rank, a)
+    # each pp rank's audit sees its own stage's norm; every rank gets the same answer
+    assert len({tuple(a["found"]) for a in audits}) == 1, audits
 
 
 def test_interleaved_ranks_run_two_stages_each_in_loop_order(runs: list[dict[str, Any]]) -> None:
