@@ -23,7 +23,7 @@ from ._unit_checks import is_container
 from ._gap import StageGap
 from ._walk import TIE_ATTRIBUTES, ModelWalk, declared_ties, walk_model
 
-__all__ = ["STAGE_BLOCKS_ATTRIBUTE", "ModelIndex", "PlanningError", "discover_blocks", "empty_containers_note", "kv_cache_configs", "kv_cache_switches", "resolve_blocks"]
+__all__ = ["STAGE_BLOCKS_ATTRIBUTE", "STAGE_MODEL_ATTRIBUTE", "ModelIndex", "ModelNames", "PlanningError", "discover_blocks", "empty_containers_note", "kv_cache_configs", "kv_cache_switches", "resolve_blocks"]
 
 _NUMEL = operator.methodcaller("numel")
 
@@ -351,6 +351,38 @@ def empty_containers_note(index: ModelIndex) -> str:
 # A pipeline stage's module declares the whole model's blocks that it holds
 # (a stage may hold one block, which no container rule could tell).
 STAGE_BLOCKS_ATTRIBUTE = "_fsdptx_stage_blocks"
+# It also carries the whole model's module names (a :class:`ModelNames`), so
+# a ``blocks=`` entry naming only modules other stages hold is told apart
+# from one naming no module at all.
+STAGE_MODEL_ATTRIBUTE = "_fsdptx_stage_model"
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The names a whole model answers to: its class, its modules' FQNs and
+    their class names. Strings only, so a pipeline stage's module can carry
+    them without keeping the other stages' modules alive.
+
+    Attributes:
+        model: the model's class name.
+        fqns: every module FQN, in walk order.
+        classes: the class names of its modules.
+    """
+
+    model: str
+    fqns: tuple[str, ...]
+    classes: frozenset[str]
+
+    @classmethod
+    def of(cls, index: ModelIndex) -> ModelNames:
+        return cls(type(index.root).__name__, tuple(index.module_fqns), frozenset(t.__name__ for t in set(index.module_types)))
+
+    def matches(self, entry: str) -> bool:
+        """Whether a ``blocks=`` entry (a module FQN, a class name or a glob,
+        see :func:`resolve_blocks`) names any module of the model."""
+        if entry in self.classes or entry in self.fqns:
+            return True
+        return bool(match_logical(entry, innermost(self.fqns)))
 
 
 def discover_blocks(model: nn.Module, index: ModelIndex | None = None) -> tuple[str, ...]:
@@ -423,9 +455,16 @@ def resolve_blocks(spec: Sequence[str], index: ModelIndex, where: str) -> tuple[
     or ending the block order and the prefetch chains at it, would do
     nothing. An entry matching nothing (or only empty containers) is an
     error naming it; the result keeps the entries' order, each entry's
-    matches in index order."""
+    matches in index order.
+
+    On a pipeline stage's module, an entry is written for the whole model:
+    one naming only modules other stages hold (a dense-first model's
+    dense block class, on a stage of MoE blocks) matches nothing here and
+    is passed over; one naming no module of the whole model is still an
+    error."""
     out: list[str] = []
     classes = {t.__name__ for t in set(index.module_types)}
+    whole = getattr(index.root, STAGE_MODEL_ATTRIBUTE, None)
     for entry in spec:
         if entry in index.modules:
             matched: tuple[str, ...] = (entry,)
@@ -435,6 +474,13 @@ def resolve_blocks(spec: Sequence[str], index: ModelIndex, where: str) -> tuple[
             matched = tuple(sorted({_outermost(f) for f in index.match(entry)}, key=natural_key))
         matched = tuple(b for m in matched for b in _contained(index, m))
         if not matched:
+            if isinstance(whole, ModelNames):
+                if whole.matches(entry):
+                    continue  # it names modules other pipeline stages hold
+                raise PlanningError(
+                    f"{where}: blocks entry {entry!r} matches no module of {whole.model}, on this pipeline stage "
+                    "or any other (give module FQNs, a block class name, or globs such as 'layers.*')"
+                )
             raise PlanningError(
                 f"{where}: blocks entry {entry!r} matches no module of {type(index.root).__name__} "
                 "(give module FQNs, a block class name, or globs such as 'layers.*')"

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ._gap import StageGap
-from ._index import STAGE_BLOCKS_ATTRIBUTE, ModelIndex, PlanningError
+from ._index import STAGE_BLOCKS_ATTRIBUTE, STAGE_MODEL_ATTRIBUTE, ModelIndex, ModelNames, PlanningError
 
 __all__ = ["STAGE_ATTRIBUTE", "PipelineParts", "StageBlocks", "StageGap", "build_stage_module", "pipeline_parts", "stage_of"]
 
@@ -74,7 +74,8 @@ class PipelineParts:
 
     Attributes:
         before: modules with parameters before the blocks (the embedding).
-        blocks: the blocks, in index order.
+        blocks: the blocks, in the order their container runs them (its
+            registration order: an ``nn.ModuleList``'s index order).
         after: modules with parameters after the blocks (norm, head).
         container: the FQN of the module holding the blocks.
         spine: the root down to ``container``, as FQNs.
@@ -120,7 +121,10 @@ def _holds_tensors(index: ModelIndex, fqn: str) -> bool:
 
 def pipeline_parts(model: nn.Module, index: ModelIndex, blocks: tuple[str, ...]) -> PipelineParts:
     """The parts of ``model`` around ``blocks`` (FQNs, e.g. from
-    :func:`~fsdptx.model._index.discover_blocks`).
+    :func:`~fsdptx.model._index.discover_blocks`), in forward order: the
+    blocks are taken in the order their container registers (and runs)
+    them, whatever order they are given in (``blocks=["MoEBlock",
+    "DenseBlock"]`` lists the MoE blocks first; the stages must not).
 
     The blocks must be children of one container; every spine module's other
     children holding parameters become parts, before or after the stack by
@@ -147,6 +151,8 @@ def pipeline_parts(model: nn.Module, index: ModelIndex, blocks: tuple[str, ...])
             "stages explicitly (PipelineParallelConfig(stages=...))"
         )
     container = containers[0]
+    position = {_join(container, n): i for i, n in enumerate(index.modules[container]._modules)}
+    blocks = tuple(sorted(blocks, key=position.__getitem__))
     spine = list(PipelineParts.from_split((), container).spine)
     direct = [f for f in spine if index.direct_param_fqns(f)]
     if direct:
@@ -270,4 +276,5 @@ def build_stage_module(
     root.forward = functools.partial(_stage_forward, forward, takes_use_cache)
     setattr(root, STAGE_ATTRIBUTE, (stage, num_stages))
     setattr(root, STAGE_BLOCKS_ATTRIBUTE, tuple(fqn for fqn in parts.blocks if fqn in keep))
+    setattr(root, STAGE_MODEL_ATTRIBUTE, ModelNames.of(index))
     return root

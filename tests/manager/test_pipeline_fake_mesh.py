@@ -19,6 +19,7 @@ import fsdptx
 from fsdptx import FSDP2Config, FSDP2Manager, PipelineParallelConfig, Plan
 from fsdptx.presets import Decoder, DecoderConfig, titan
 from fsdptx.testing import fake_mesh
+from two_kinds import stack
 from unchanged import assert_unchanged, state_of
 
 
@@ -188,3 +189,31 @@ def test_a_hugging_face_llama_plans_per_stage_as_shipped() -> None:
     assert first is not None and last is not None
     assert str(first) != str(last)  # each stage's TP plan covers its own modules
     assert {u.kind for u in _stage_units(planned)} == {"block", "root"}
+
+
+@pytest.mark.parametrize("kinds", ["DSDS", "DDSS"], ids=["alternating", "dense first"])
+@pytest.mark.parametrize("blocks", [["DenseBlock", "SparseBlock"], ["SparseBlock", "DenseBlock"]], ids=["D, S", "S, D"])
+def test_blocks_of_two_classes_plan_and_parallelize_stages_in_forward_order(kinds: str, blocks: list[str]) -> None:
+    """Named in any order, the blocks are split in the model's order, and a
+    stage holding no block of one named class plans and applies as well."""
+    config = FSDP2Config(mp_policy=None, blocks=blocks, pipeline_parallel=PipelineParallelConfig(microbatches=2))
+    held = [("emb", "layers.0", "layers.1"), ("layers.2", "layers.3", "head")]
+    planned = _plan(stack(kinds, device="meta"), mp_policy=None, blocks=blocks, pipeline={"microbatches": 2})
+    assert planned.pipeline is not None
+    assert [s.modules for s in planned.pipeline.stages] == held
+    assert [{u.modules for u in s.plan.units if u.kind == "block"} for s in planned.pipeline.stages] == [
+        {("layers.0",), ("layers.1",)},
+        {("layers.2",), ("layers.3",)},
+    ]
+    for rank, index in ((0, 0), (2, 1)):  # one rank per pipeline coordinate
+        model = stack(kinds)
+        with fake_mesh((2, 2), ("pp", "dp"), rank=rank) as mesh:
+            stages = FSDP2Manager(config, mesh).parallelize(model, loss_fn=loss_fn)
+            assert isinstance(stages, fsdptx.PipelineStages) and stages.indices == (index,)
+            module = stages[0]
+            blocks_held = [f"layers.{n}" for n in module.get_submodule("layers")._modules]
+            assert blocks_held == [m for m in held[index] if m.startswith("layers.")]  # in the order they run
+            assert all(module.get_submodule(m) is model.get_submodule(m) for m in held[index])
+            names = {n for n, _ in module.named_parameters()}
+            assert names == {p for u in planned.pipeline.stages[index].plan.units for p in u.params}
+            assert all(isinstance(p, DTensor) for _, p in module.named_parameters())

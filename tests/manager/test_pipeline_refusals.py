@@ -81,6 +81,11 @@ def test_fewer_blocks_than_stages_are_refused(options: dict[str, Any], pp: int, 
     _refused(_decoder(layers=3), _config(**options), match, pp=pp)
 
 
+def test_a_blocks_entry_naming_no_module_of_the_model_is_refused_naming_it() -> None:
+    config = dataclasses.replace(_config(), blocks=["Block", "MoEBlock"])
+    _refused(_decoder(), config, "blocks entry 'MoEBlock' matches no module of Decoder")
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [

@@ -6,6 +6,8 @@ stage's parameters under the whole model's FQNs. The model is only read."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ import fsdptx
 from fsdptx import PipelineParallelConfig, plan_pipeline
 from fsdptx.plan._stages import bubble_fraction, in_flight_microbatches, stage_ranks
 from fsdptx.presets import Decoder, DecoderConfig, mixed, titan
+from two_kinds import stack
 from unchanged import assert_unchanged, state_of
 
 
@@ -68,6 +71,65 @@ def test_explicit_stages_are_kept_as_given() -> None:
     planned = plan_pipeline(_decoder(4), fsdptx.shard_by_dtype, PipelineParallelConfig(stages=stages), pp=2)
     assert planned.pipeline is not None
     assert tuple(s.modules for s in planned.pipeline.stages) == stages
+
+
+# blocks= naming the blocks of a two-class stack in an order unlike the model's
+NAMED_OUT_OF_ORDER = {
+    "classes": ["DenseBlock", "SparseBlock"],
+    "classes reversed": ["SparseBlock", "DenseBlock"],
+    "FQNs backwards": ["layers.3", "layers.2", "layers.1", "layers.0"],
+}
+
+
+@pytest.mark.parametrize("kinds", ["DSDS", "DDSS"], ids=["alternating", "dense first"])
+@pytest.mark.parametrize("named", list(NAMED_OUT_OF_ORDER))
+def test_named_blocks_are_split_in_the_models_order_whatever_order_they_are_named_in(kinds: str, named: str) -> None:
+    model = stack(kinds, device="meta")
+    planned = plan_pipeline(model, fsdptx.shard_by_dtype, PipelineParallelConfig(), pp=2, blocks=NAMED_OUT_OF_ORDER[named])
+    assert planned.pipeline is not None
+    assert [s.modules for s in planned.pipeline.stages] == [("emb", "layers.0", "layers.1"), ("layers.2", "layers.3", "head")]
+    # each stage plans the blocks it holds, in forward order
+    assert [[u.modules for u in s.plan.units] for s in planned.pipeline.stages] == [
+        [("layers.0",), ("layers.1",), ("",)],
+        [("layers.2",), ("layers.3",), ("",)],
+    ]
+
+
+@pytest.mark.parametrize(
+    "blocks", [["DenseBlock", "SparseBlock"], ["layers.0", "layers.1", "layers.2", "layers.3"]], ids=["classes", "FQNs"]
+)
+def test_a_stage_passes_over_blocks_entries_naming_only_what_other_stages_hold(blocks: list[str]) -> None:
+    """Dense first: stage 0 holds no SparseBlock, stage 1 no DenseBlock; the
+    transforms each stage is planned with are given the whole model's entries."""
+    model = stack("DDSS", device="meta")
+    by_dtype = functools.partial(fsdptx.shard_by_dtype, blocks=blocks)
+    planned = plan_pipeline(model, by_dtype, PipelineParallelConfig(), pp=2, blocks=blocks)
+    assert planned.pipeline is not None
+    assert [s.modules for s in planned.pipeline.stages] == [("emb", "layers.0", "layers.1"), ("layers.2", "layers.3", "head")]
+    assert [{u.modules for u in s.plan.units} for s in planned.pipeline.stages] == [
+        {("layers.0",), ("layers.1",), ("",)},
+        {("layers.2",), ("layers.3",), ("",)},
+    ]
+    for stage in planned.pipeline.stages:
+        assert set(p for u in stage.plan.units for p in u.params) == _params_under(model, stage.modules)
+
+
+def test_a_blocks_entry_naming_no_module_of_the_model_is_refused_naming_it() -> None:
+    model = stack("DDSS", device="meta")
+    with pytest.raises(fsdptx.PlanningError, match="plan_pipeline: blocks entry 'MoEBlock' matches no module of TwoKinds"):
+        plan_pipeline(model, fsdptx.shard_by_dtype, PipelineParallelConfig(), pp=2, blocks=["DenseBlock", "MoEBlock"])
+
+
+def test_a_stages_blocks_entry_naming_no_module_of_the_whole_model_is_refused_naming_it() -> None:
+    """Given only to the stages' transform, the entry is checked against the
+    whole model each stage was cut from, not just the stage."""
+    model = stack("DDSS", device="meta")
+    by_dtype = functools.partial(fsdptx.shard_by_dtype, blocks=["DenseBlock", "SparseBlock", "layers.9"])
+    with pytest.raises(
+        fsdptx.PlanningError,
+        match="shard_by_dtype: blocks entry 'layers.9' matches no module of TwoKinds, on this pipeline stage or any other",
+    ):
+        plan_pipeline(model, by_dtype, PipelineParallelConfig(), pp=2)
 
 
 @pytest.mark.parametrize(
