@@ -9,9 +9,17 @@ like one process under sequence parallelism, on 4 gloo ranks (dp=2 x tp=2).
 - Jamba, a hybrid: the plan names only the experts (split over TP), so
   every region (Mamba mixer, attention, MLP, MoE) runs on the whole
   sequence while the norms and the residual stream stay on the shard.
+- GPT-OSS: the plan splits only the embedding and the head, so each
+  block's attention (its per-head ``sinks`` held directly on it, sliding
+  and full layers alternating) and its MoE (router and experts, none
+  split) run on the whole sequence; their parameters stay replicas on
+  the TP ranks, each of which computes their gradients from the whole
+  sequence.
 
 fp32, mixed precision off, 5 SGD steps; losses within 1e-5 relative,
-parameters within 1e-4 of one process (summation order only).
+parameters within 1e-4 of one process (summation order only). The
+sequence is longer than GPT-OSS's 16-token sliding window, so its sliding
+layers mask keys a full layer would attend to.
 """
 
 from __future__ import annotations
@@ -35,8 +43,8 @@ from fsdptx.testing import run_distributed  # noqa: E402
 import hf_zoo  # noqa: E402
 
 WORLD, DP, TP = 4, 2, 2
-PER_RANK_BATCH, SEQ, STEPS, LR = 2, 8, 5, 0.5
-MODELS = ("deepseek_v3", "jamba")
+PER_RANK_BATCH, SEQ, STEPS, LR = 2, 24, 5, 0.5
+MODELS = ("deepseek_v3", "jamba", "gpt_oss")
 
 
 def build(name: str) -> nn.Module:
