@@ -49,7 +49,7 @@ def layer_of(module: str) -> str:
         return "presets"
     if top in LAYERS:
         return top
-    raise AssertionError(f"{module} is in no layer: add its package to LAYERS in tests/test_layers.py")
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS in tests/contract/test_layers.py")
 
 
 def rank(layer: str) -> int:
