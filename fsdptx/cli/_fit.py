@@ -54,9 +54,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..plan._plan import Plan
+from ..model._index import PlanningError
+from ..plan._stages import microbatch_problem
+from ._fit_dims import StageShares, cp_ring_bytes, p2p_bytes, pipeline_peak, stage_shares
 from ._hardware import Hardware, StepTime, predict, step_flops
 from ._memory import disable_kv_cache
 from ._scaling import at_shard_count, rescale, steady_bytes, traced_steady
@@ -148,6 +152,9 @@ class Candidate:
     mp: str = "bf16"  # the dry run's --mp: bf16 is FSDP2Config's default policy
     ep: int = 1  # experts split across this many ranks (--fit --ep)
     step: StepTime | None = None  # predicted by the search's hardware model
+    schedule: str | None = None  # with a pp dim: the pipeline schedule
+    microbatches: int = 1  # with a pp dim: micro-batches per step
+    peak_stage: int | None = None  # with a pp dim: the stage that peaks (modelled)
 
     @property
     def predicted(self) -> StepTime:
@@ -164,6 +171,12 @@ class Candidate:
         return ",".join(f"{k}={v}" for k, v in self.mesh.items())
 
     @property
+    def sequence_parallel(self) -> bool:
+        """Every candidate with TP splits the sequence too (the traces are of
+        SP steps)."""
+        return self.mesh.get("tp", 1) > 1
+
+    @property
     def moe_mesh(self) -> dict[str, int] | None:
         """The experts' mesh under ``--ep``: the dense mesh's replicate dim,
         then its shard and TP ranks regrouped as ``ep_shard x ep``."""
@@ -177,8 +190,12 @@ class Candidate:
         """The ``FSDP2Config`` that reproduces this candidate (beside the
         dry run's mixed-precision policy)."""
         parts = []
-        if self.mesh.get("tp", 1) > 1:
+        if self.sequence_parallel:
             parts.append("sequence_parallel=True")
+        if self.schedule is not None:
+            parts.append(
+                f"pipeline_parallel=PipelineParallelConfig(schedule={self.schedule!r}, microbatches={self.microbatches})"
+            )
         if self.activation_checkpointing:
             parts.append(f"activation_checkpointing={self.activation_checkpointing!r}")
         if self.offload:
@@ -203,8 +220,10 @@ class Candidate:
         moe = self.moe_mesh
         if moe is not None:
             args += ["--moe-mesh", ",".join(f"{k}={v}" for k, v in moe.items())]
-        if self.mesh.get("tp", 1) > 1:
+        if self.sequence_parallel:
             args.append("--sp")
+        if self.schedule is not None:
+            args += ["--schedule", self.schedule, "--microbatches", str(self.microbatches)]
         if self.activation_checkpointing:
             args += ["--ac", str(self.activation_checkpointing)]
         if self.offload:
@@ -228,6 +247,9 @@ class Candidate:
             "comm_total_bytes": self.comm_total,
             "predicted_step": None if self.step is None else self.step.to_json(),
             "extrapolated": self.extrapolated,
+            "pipeline": None
+            if self.schedule is None
+            else {"schedule": self.schedule, "microbatches": self.microbatches, "peak_stage": self.peak_stage, "modelled": True},
             "config": self.config_text(),
             "argv": self.cli_args(),
         }
@@ -247,17 +269,26 @@ class FitResult:
     skipped: tuple[str, ...]
 
 
-def meshes(gpus: int) -> list[dict[str, int]]:
-    """Every ``dp_replicate`` x ``dp_shard`` x ``tp`` factorization of ``gpus``
-    with ``tp <= MAX_TP`` and ``dp_replicate * dp_shard >= 2`` (one
-    data-parallel rank has nothing to shard)."""
+def meshes(gpus: int, cp_sizes: Sequence[int] = (), pp_sizes: Sequence[int] = ()) -> list[dict[str, int]]:
+    """Every ``pp x dp_replicate x dp_shard x cp x tp`` factorization of
+    ``gpus`` (dims listed outermost first, as meshes are laid out) with
+    ``tp <= MAX_TP``, ``cp`` in ``cp_sizes`` or 1, ``pp`` in ``pp_sizes`` or
+    1, never both above 1 (the dry run plans no pipeline with a ``cp``
+    dim), and at least two data-parallel ranks counting ``cp`` (FSDP
+    shards over ``dp_shard x cp``; one rank has nothing to shard)."""
     out = []
-    for tp in (t for t in range(1, min(gpus, MAX_TP) + 1) if gpus % t == 0):
-        dp = gpus // tp
-        for rep in (r for r in range(1, dp + 1) if dp % r == 0):
-            mesh = {"dp_replicate": rep, "dp_shard": dp // rep, "tp": tp}
-            if dp >= 2:
-                out.append({k: v for k, v in mesh.items() if v > 1 or k == "dp_shard"})
+    for pp in (1, *sorted(set(pp_sizes) - {1})):
+        for cp in (1, *sorted(set(cp_sizes) - {1})) if pp == 1 else (1,):
+            if gpus % (pp * cp):
+                continue
+            rest = gpus // (pp * cp)
+            for tp in (t for t in range(1, min(rest, MAX_TP) + 1) if rest % t == 0):
+                dp = rest // tp
+                if dp * cp < 2:
+                    continue
+                for rep in (r for r in range(1, dp + 1) if dp % r == 0):
+                    mesh = {"pp": pp, "dp_replicate": rep, "dp_shard": dp // rep, "cp": cp, "tp": tp}
+                    out.append({k: v for k, v in mesh.items() if v > 1 or k == "dp_shard"})
     return out
 
 
@@ -330,12 +361,15 @@ def evaluate(
     shard = mesh["dp_shard"]
     rep = mesh.get("dp_replicate", 1)
     tp = mesh.get("tp", 1)
+    cp = mesh.get("cp", 1)
     peaks: list[tuple[int, float]] = []
     acts: list[tuple[int, float]] = []
     tp_comm: list[tuple[int, float]] = []
+    ring = None
     for n_layers, points, shards_at in measured.traces:
         trace = trace_at(points, shard)
-        target = (0, 0, 0) if offload else steady_bytes(shards_at(shard), optimizer)
+        ring = trace.ring if trace.ring is not None else ring
+        target = (0, 0, 0) if offload else steady_bytes(shards_at(shard * cp), optimizer)
         peak, _, _ = rescale(trace, traced=traced_steady(trace), target=target)
         peaks.append((n_layers, peak))
         acts.append((n_layers, trace.activations))
@@ -347,11 +381,13 @@ def evaluate(
         share = _tp_local_share(unit.params, full_shards, tp)
         gathered += traffic.all_gather_bytes * share
         reduced += traffic.reduce_scatter_bytes * share
-    comm["fsdp_all_gather"] = _ring(gathered, shard)
-    comm["fsdp_reduce_scatter"] = _ring(reduced, shard)
+    comm["fsdp_all_gather"] = _ring(gathered, shard * cp)
+    comm["fsdp_reduce_scatter"] = _ring(reduced, shard * cp)
     grad_numel = sum(s.local_numel for s in full_shards.values() if s.requires_grad)
     comm["hsdp_all_reduce"] = _ring(4 * grad_numel, rep, 2)  # fp32, the dry run's reduce dtype
     comm["tp"] = _ring(_extrapolate(tp_comm, layers), tp)
+    if ring is not None:
+        comm["cp_ring"] = cp_ring_bytes(ring, layers or len(ring.layers), ac)
     if offload:  # host links, not the network: at least one copy of each sharded part each way
         comm["offload_host_copies"] = params + grads
     return Candidate(
@@ -367,6 +403,110 @@ def evaluate(
         extrapolated=len(measured.traces) > 1,
         ep=ep,
     )
+
+
+def evaluate_pipeline(
+    mesh: dict[str, int],
+    ac: str | bool,
+    offload: bool,
+    measured: _Measured,
+    shards: dict[str, ParamShard],
+    layers: int,
+    optimizer: str,
+    pipe: _Pipe,
+) -> Candidate:
+    """Model one pipeline candidate (:mod:`fsdptx.cli._fit_dims`) from the
+    traces of its (tp, checkpointing, replication) at its shard count:
+    the activations one block adds, the rest, and the step's transient
+    peak, then each stage of the planner's split.
+
+    Raises:
+        ValueError: the schedule cannot run the micro-batches on these stages."""
+    shard, rep, tp = mesh["dp_shard"], mesh.get("dp_replicate", 1), mesh.get("tp", 1)
+    acts: list[tuple[int, float]] = []
+    by_tokens = by_params = 0
+    tp_comm: list[tuple[int, float]] = []
+    for n_layers, points, shards_at in measured.traces:
+        trace = trace_at(points, shard)
+        _, _, at_peak = rescale(trace, traced=traced_steady(trace), target=steady_bytes(shards_at(shard), optimizer))
+        # transients: the operators' temporaries and inputs grow with the tokens (the largest the
+        # step holds: a stage may peak where the whole model does not, at its head), the buffers of
+        # a unit's collectives and its unsharded gradients with its parameters (as at the peak)
+        by_tokens = max(
+            by_tokens, max((x.bytes.get("temporaries", 0) + x.bytes.get("inputs", 0) for x in trace.samples), default=0)
+        )
+        by_params = max(by_params, sum(at_peak.get(k, 0) for k in _UNIT_TRANSIENTS))
+        acts.append((n_layers, trace.activations))
+        tp_comm.append((n_layers, sum(c.bytes for c in trace.collectives if c.source == "tp")))
+    if len(acts) == 2:
+        (la, a), (lb, b) = acts
+        block, rest = (b - a) / (lb - la), a - la * (b - a) / (lb - la)
+    else:
+        block, rest = acts[0][1] / max(layers or acts[0][0], 1), 0.0
+    total = layers or sum(pipe.shares.blocks)
+    found = pipeline_peak(
+        pipe.shares,
+        shards,
+        schedule=pipe.schedule,
+        microbatches=pipe.microbatches,
+        tp=tp,
+        block_activations=block,
+        rest_activations=rest,
+        token_transient=by_tokens,
+        unit_transient=by_params,
+        batch=pipe.batch,
+        seq=pipe.seq,
+        sequence_parallel=tp > 1,
+        compute_dtype=pipe.compute_dtype,
+        optimizer=optimizer,
+        offload=offload,
+    )
+    busiest = found.gathered_bytes.index(max(found.gathered_bytes))
+    grad_numel = found.grad_numel[busiest]
+    comm = {
+        "fsdp_all_gather": _ring(found.gathered_bytes[busiest], shard),  # gathered once: no reshard under PP
+        "fsdp_reduce_scatter": _ring(4 * grad_numel, shard),  # fp32, once per step
+        "hsdp_all_reduce": _ring(4 * grad_numel, rep, 2),
+        "tp": _ring(_extrapolate(tp_comm, layers) * found.most_blocks / total, tp),
+        "pp_p2p": p2p_bytes(
+            pipe.shares, batch=pipe.batch, seq=pipe.seq, tp=tp, sequence_parallel=tp > 1, dtype=pipe.compute_dtype
+        ),
+    }
+    if offload:
+        held = steady_bytes({f: shards[f] for f in pipe.shares.params[busiest] if f in shards}, optimizer)
+        comm["offload_host_copies"] = held[0] + held[1]
+    return Candidate(
+        mesh=mesh,
+        activation_checkpointing=ac,
+        offload=offload,
+        peak_bytes=found.peak_bytes,
+        activations_bytes=found.activations_bytes,
+        params_bytes=found.params_bytes,
+        grads_bytes=found.grads_bytes,
+        optimizer_bytes=found.optimizer_bytes,
+        comm_bytes=comm,
+        extrapolated=len(measured.traces) > 1,
+        schedule=pipe.schedule,
+        microbatches=pipe.microbatches,
+        peak_stage=found.stage,
+    )
+
+
+_UNIT_TRANSIENTS = ("all_gather_buffers", "reduce_scatter_buffers", "unsharded_grads")
+
+
+@dataclass(frozen=True)
+class _Pipe:
+    """What every pipeline candidate of one size shares: the split, the
+    schedule and its micro-batches, the step's batch and sequence, and the
+    units' compute dtype."""
+
+    shares: StageShares
+    schedule: str
+    microbatches: int
+    batch: int
+    seq: int
+    compute_dtype: torch.dtype | None
 
 
 def _tp_local_share(params: Sequence[str], shards: Mapping[str, ParamShard], tp: int) -> float:
@@ -453,6 +593,10 @@ def search(
     flops_params: int,
     headroom: int = 0,
     ep: int = 1,
+    cp_sizes: Sequence[int] = (),
+    pp_sizes: Sequence[int] = (),
+    schedule: str = "1F1B",
+    microbatches: int | None = None,
 ) -> FitResult:
     """Evaluate every candidate of a ``gpus``-rank world against ``budget`` bytes.
 
@@ -475,10 +619,18 @@ def search(
             shard x TP ranks it does not divide are skipped. The traces run
             with the experts whole (their forward needs the model's token
             dispatch), so gathered experts count whole: an upper bound.
+        cp_sizes: context-parallel sizes to try besides 1 (traced at
+            ``seq / cp`` with ring attention modelled).
+        pp_sizes: pipeline sizes to try besides 1 (modelled from the
+            traces of the same mesh without stages: :mod:`fsdptx.cli._fit_dims`).
+        schedule: the pipeline candidates' schedule (1F1B or GPipe).
+        microbatches: their micro-batches per step (``None``: ``batch``,
+            one sequence each).
 
     Returns:
         A :class:`FitResult`.
     """
+    from ._cp import cp_seq_error
     from ._run import dry_run
 
     if layers is not None and layers > TRACE_LAYERS:
@@ -487,28 +639,50 @@ def search(
         counts = (layers,)
     candidates: list[Candidate] = []
     skipped: list[str] = []
-    for tp in sorted({m.get("tp", 1) for m in meshes(gpus)}):
-        tp_meshes = [m for m in meshes(gpus) if m.get("tp", 1) == tp]
+    policy = config().mp_policy
+    pipes, hugging_face = _pipes(
+        build, pp_sizes, schedule, batch if microbatches is None else microbatches, batch, seq, policy, skipped
+    )
+    every = meshes(gpus, cp_sizes, tuple(pipes))
+    fulls: dict[int, tuple[Any, Callable[[int], dict[str, ParamShard]]] | None] = {}
+    for tp, cp in sorted({(m.get("tp", 1), m.get("cp", 1)) for m in every}):
+        tp_meshes = [m for m in every if (m.get("tp", 1), m.get("cp", 1)) == (tp, cp)]
         uneven = [m for m in tp_meshes if (m["dp_shard"] * tp) % ep]
         skipped += [f"--mesh {_mesh_text(m)}: ep={ep} does not divide its dp_shard x tp ranks" for m in uneven]
-        tp_meshes = [m for m in tp_meshes if m not in uneven]
+        staged = [m for m in tp_meshes if m.get("pp", 1) > 1 and m not in uneven]
+        if staged and ep > 1:
+            skipped.append(f"tp={tp} with pp: the dry run plans no pipeline with a MoE mesh (--ep {ep})")
+        elif staged and hugging_face and tp > 1:
+            skipped.append(
+                f"tp={tp} with pp: a Hugging Face model's pipeline stages run TP without sequence parallelism, "
+                "which --fit does not trace"
+            )
+        else:
+            staged = []
+        tp_meshes = [m for m in tp_meshes if m not in uneven and m not in staged]
         if not tp_meshes:
             continue
-        if seq % tp:
-            skipped.append(
-                f"tp={tp}: --seq {seq} is not divisible by {tp}; sequence parallelism splits every sequence "
-                "over the TP ranks"
-            )
+        problem = cp_seq_error(seq, cp, tp, tp > 1) if cp > 1 else None
+        if problem is None and seq % tp:
+            problem = f"--seq {seq} is not divisible by {tp}; sequence parallelism splits every sequence over the TP ranks"
+        label = f"tp={tp}" + (f", cp={cp}" if cp > 1 else "")
+        if problem is not None:
+            skipped.append(f"{label}: {problem}")
             continue
-        full_model = build(None)
-        try:
-            full = dry_run(
-                full_model, *_trace_mesh(tp, 2, False), config(sequence_parallel=tp > 1), moe=_trace_moe(tp, 2, False, ep)
-            )
-        except ValueError as e:  # the TP plan does not divide: not a candidate
-            skipped.append(f"tp={tp}: {_short(e)}")
+        if tp not in fulls:
+            full_model = build(None)
+            try:
+                full = dry_run(
+                    full_model, *_trace_mesh(tp, 2, False), config(sequence_parallel=tp > 1), moe=_trace_moe(tp, 2, False, ep)
+                )
+                fulls[tp] = (full, shards_for(full_model, full.plan, full.dims, ep))
+            except ValueError as e:  # the TP plan does not divide: not a candidate
+                fulls[tp] = None
+                skipped.append(f"tp={tp}: {_short(e)}")
+        known = fulls[tp]
+        if known is None:
             continue
-        full_at = shards_for(full_model, full.plan, full.dims, ep)
+        full, full_at = known
         for ac in AC_MODES:
             for replicated in (False, True):
                 group = [m for m in tp_meshes if (m.get("dp_replicate", 1) > 1) == replicated]
@@ -517,29 +691,77 @@ def search(
                 setting = config(sequence_parallel=tp > 1, activation_checkpointing=ac)
                 points = shard_points(m["dp_shard"] for m in group)
                 try:
-                    measured = _measure(build, counts, tp, points, replicated, setting, ac, (batch, seq), ep)
+                    measured = _measure(build, counts, tp, points, replicated, setting, ac, (batch, seq), ep, cp)
                 except ValueError as e:  # the planner or the model refuses this setting: the others still count
-                    label = f"tp={tp}, ac={ac or 'off'}" + (", dp_replicate > 1" if replicated else "")
-                    skipped.append(f"{label}: {_short(e)}")
+                    skipped.append(f"{label}, ac={ac or 'off'}{', dp_replicate > 1' if replicated else ''}: {_short(e)}")
                     continue
-                flops = step_flops(flops_params, batch * seq, ac) / tp  # TP splits every matmul
+                flops = step_flops(flops_params, batch * seq, ac) / (tp * cp)  # TP and CP split every matmul
                 for mesh in group:
-                    shards = full_at(mesh["dp_shard"])
+                    shards = full_at(mesh["dp_shard"] * cp)
+                    pp = mesh.get("pp", 1)
                     try:
                         evaluated = [
                             evaluate(mesh, ac, offload, measured, shards, full.plan, layers or 0, optimizer, ep)
+                            if pp == 1
+                            else evaluate_pipeline(mesh, ac, offload, measured, shards, layers or 0, optimizer, pipes[pp])
                             for offload in (False, True)
                         ]
                     except ValueError as e:
                         skipped.append(f"--mesh {_mesh_text(mesh)} ac={ac or 'off'}: {_short(e)}")
                         continue
+                    # a pipeline rank computes its stage's blocks (the busiest stage sets the pace)
+                    # and idles (pp - 1) / microbatches of that in the bubble
+                    share = 1.0 if pp == 1 else max(pipes[pp].shares.blocks) / sum(pipes[pp].shares.blocks)
+                    bubble = 0.0 if pp == 1 else (pp - 1) / pipes[pp].microbatches
+                    tokens = batch * seq / (tp * cp * pp)
                     candidates += [
-                        dataclasses.replace(c, step=predict(c.mesh, c.comm_bytes, flops, hardware, tokens=batch * seq / tp))
+                        dataclasses.replace(
+                            c, step=predict(c.mesh, c.comm_bytes, flops * share, hardware, tokens=tokens, bubble=bubble)
+                        )
                         for c in evaluated
                     ]
     return FitResult(
         gpus, budget, headroom, hardware, tuple(candidates), rank(candidates, budget - headroom), tuple(skipped)
     )
+
+
+def _pipes(
+    build: Callable[[int | None], nn.Module],
+    pp_sizes: Sequence[int],
+    schedule: str,
+    microbatches: int,
+    batch: int,
+    seq: int,
+    policy: Any,
+    skipped: list[str],
+) -> tuple[dict[int, _Pipe], bool]:
+    """The split of the whole model for each pipeline size that can run
+    (the others listed in ``skipped`` with why), and whether the model is a
+    Hugging Face one (its stages cannot run sequence parallelism)."""
+    from ..manager import _is_hugging_face
+
+    out: dict[int, _Pipe] = {}
+    if not pp_sizes:
+        return out, False
+    model = build(None)
+    for pp in sorted(set(pp_sizes)):
+        if batch % microbatches:
+            skipped.append(f"pp={pp}: --batch {batch} does not split into {microbatches} micro-batches")
+            continue
+        problem = microbatch_problem(schedule, microbatches, pp, pp)
+        if problem is not None:
+            skipped.append(
+                f"pp={pp}: {problem} (--fit gives each micro-batch one sequence of --batch {batch} unless "
+                "--microbatches is given: raise --batch)"
+            )
+            continue
+        try:
+            shares = stage_shares(model, pp, schedule)
+        except PlanningError as e:
+            skipped.append(f"pp={pp}: {_short(e)}")
+            continue
+        out[pp] = _Pipe(shares, schedule, microbatches, batch, seq, None if policy is None else policy.param_dtype)
+    return out, _is_hugging_face(model)
 
 
 def _mesh_text(mesh: Mapping[str, int]) -> str:
@@ -550,13 +772,13 @@ def _short(e: BaseException) -> str:
     return " ".join(str(e).split())[:200]
 
 
-def _trace_mesh(tp: int, shards: int, replicated: bool) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _trace_mesh(tp: int, shards: int, replicated: bool, cp: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The fake mesh a reference step is traced on: ``shards`` FSDP ranks,
-    ``tp`` ranks, and a replicate dim of 2 for HSDP meshes (what HSDP adds,
-    its all-reduce and the buffers it holds, does not depend on how many
-    replicas there are)."""
+    ``cp`` and ``tp`` ranks, and a replicate dim of 2 for HSDP meshes (what
+    HSDP adds, its all-reduce and the buffers it holds, does not depend on
+    how many replicas there are)."""
     dims = [("dp_replicate", 2)] if replicated else []
-    dims += [("dp_shard", shards)] + ([("tp", tp)] if tp > 1 else [])
+    dims += [("dp_shard", shards)] + ([("cp", cp)] if cp > 1 else []) + ([("tp", tp)] if tp > 1 else [])
     return tuple(size for _, size in dims), tuple(name for name, _ in dims)
 
 
@@ -582,6 +804,7 @@ def _measure(
     ac: str | bool,
     batch_seq: tuple[int, int],
     ep: int,
+    cp: int = 1,
 ) -> _Measured:
     """Trace the step of one setting at every block count and shard count."""
     from ._run import dry_run
@@ -594,7 +817,7 @@ def _measure(
             model = build(n)
             if ac:
                 disable_kv_cache(model)  # as the dry run and a training run with checkpointing do
-            shape, names = _trace_mesh(tp, shards, replicated)
+            shape, names = _trace_mesh(tp, shards, replicated, cp)
             run = dry_run(model, shape, names, setting, batch_seq=batch_seq, moe=_trace_moe(tp, shards, replicated, ep))
             if run.trace is None:  # dry_run traces whenever batch_seq is given
                 raise RuntimeError(f"no trace for tp={tp}, activation_checkpointing={ac!r}")

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..core._sizes import format_bytes
 from ._common import UsageError, mp_policy
+from ._fit_dims import CP_MIN_SEQ, CP_SIZES, PP_SIZES, parse_sizes
 from ._fit import DEFAULT_HEADROOM, TRACE_LAYERS, matmul_params, parse_fit, parse_headroom, search
 from ._hardware import DEFAULT_GPU, SELECTIVE_RECOMPUTE, hardware
 
@@ -46,6 +47,11 @@ def run_fit(args: Any) -> str:
     batch_seq = _batch_seq(args)
     assert batch_seq is not None  # --fit asks for a trace
     batch, seq = batch_seq
+    try:
+        cp_sizes = parse_sizes(args.fit_cp or "auto", "--fit-cp", CP_SIZES if seq >= CP_MIN_SEQ else ())
+        pp_sizes = parse_sizes(args.fit_pp or "auto", "--fit-pp", PP_SIZES)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     model, name = build_model(args)
     layers = _block_count(args, model)
 
@@ -73,6 +79,10 @@ def run_fit(args: Any) -> str:
             flops_params=matmul_params(model),
             headroom=headroom,
             ep=args.ep,
+            cp_sizes=cp_sizes,
+            pp_sizes=tuple(p for p in pp_sizes if layers is None or p <= layers),
+            schedule=args.schedule or "1F1B",
+            microbatches=args.microbatches,
         )
         result = dataclasses.replace(
             result,
@@ -122,17 +132,30 @@ def run_fit(args: Any) -> str:
         t = c.predicted
         links = ", ".join(f"{dim} {link}" for dim, link in t.links.items())
         lines.append(
-            f"{i:3}. {' '.join(c.cli_args()[:4 if c.ep > 1 else 2])}  ac={c.activation_checkpointing or 'off'}  offload={'on' if c.offload else 'off'}"
+            f"{i:3}. {' '.join(c.cli_args()[:4 if c.ep > 1 else 2])}{_pipeline_text(c)}  ac={c.activation_checkpointing or 'off'}  offload={'on' if c.offload else 'off'}"
             f"  peak {format_bytes(c.peak_bytes)}  predicted {_ms(t.total)} per step, {t.tokens_per_s:,.0f} tokens/s per GPU"
         )
         lines.append(
             f"     compute {_ms(t.compute)}, TP comm {_ms(t.tp)}, DP comm {_ms(t.dp)} ({_ms(t.dp_exposed)} exposed), "
+            f"{f'CP comm {_ms(t.cp)}, ' if t.cp else ''}{f'PP comm {_ms(t.pp)}, bubble {_ms(t.bubble)}, ' if c.schedule else ''}"
             f"offload {_ms(t.offload)}; comm {format_bytes(c.comm_total)} ({comm or 'none'}){f'; {links}' if links else ''}"
         )
         lines.append(f"     {c.config_text()}  # python -m fsdptx plan <model options> {' '.join(c.cli_args())}")
     if len(shown) < len(result.fitting):
         lines.append(f"... {len(result.fitting) - len(shown)} more fit (--top {args.top} shows the first)")
     lines += [f"skipped {s}" for s in result.skipped]
+    if any(c.schedule is not None for c in result.candidates):
+        lines.append(
+            "(pipeline candidates are modelled from the traced blocks, not traced per stage: each stage's parameters, "
+            "gradients and optimizer state exact, its units gathered for the step, its blocks' activations for the "
+            "micro-batches in flight, the traced transient peak at the whole batch; plan one with its options for a "
+            "traced step per stage)"
+        )
+    if any(c.mesh.get("cp", 1) > 1 for c in result.candidates):
+        lines.append(
+            "(cp candidates are traced at seq/cp with ring attention's allgather K/V buffers modelled, not traced: "
+            "torch's ring attention has no CPU path)"
+        )
     if any(c.extrapolated for c in result.candidates):
         lines.append(
             f"(peaks, activations and TP traffic traced at {TRACE_LAYERS - 1} and {TRACE_LAYERS} blocks and "
@@ -143,13 +166,20 @@ def run_fit(args: Any) -> str:
 
 TIME_MODEL = (
     "compute = 6N FLOPs per token (N: the parameters that multiply; + 2N full checkpointing, "
-    f"+ {2 * SELECTIVE_RECOMPUTE:g}N selective) x batch x seq / tp over flops x mfu; TP collectives exposed; "
+    f"+ {2 * SELECTIVE_RECOMPUTE:g}N selective) x batch x seq / (tp x cp x pp stages) over flops x mfu; TP collectives exposed; "
     "FSDP/HSDP collectives overlap compute (only what exceeds it counts); offload host copies exposed at PCIe "
-    "(the host optimizer step not counted); a dim's collectives take NVLink when its groups lie inside a node, "
-    "else the network; ranked by tokens per second per GPU (batch x seq / tp per step), as --batch is per "
+    "(the host optimizer step not counted); CP ring and PP point-to-point traffic exposed; the pipeline bubble "
+    "(pp - 1) / microbatches of the compute; a dim's collectives take NVLink when its groups lie inside a node, "
+    "else the network; ranked by tokens per second per GPU (batch x seq / (tp x cp x pp) per step), as --batch is per "
     "data-parallel rank and candidates train different global batches"
 )
 """The rule :mod:`fsdptx.cli._hardware` predicts by, as the output states it."""
+
+
+def _pipeline_text(c: Any) -> str:
+    if c.schedule is None:
+        return ""
+    return f" {c.schedule} x {c.microbatches} micro-batches (peak stage {c.peak_stage})"
 
 
 def _ms(seconds: float) -> str:

@@ -14,7 +14,12 @@ The rule, per rank and step:
   next unit's all-gather and reduces a unit's gradients while the next one
   computes), so only what exceeds the compute shows;
 - offload host copies: exposed, at PCIe (the host optimizer step itself is
-  not counted: offload's figure is a lower bound).
+  not counted: offload's figure is a lower bound);
+- context parallelism's ring K/V rotation and pipeline stages'
+  point-to-point activations: exposed (an upper bound: ring attention and
+  the schedules overlap part of them with compute);
+- the pipeline bubble: ``(pp - 1) / (v x microbatches)`` of the compute
+  (Narayanan et al., 2021), idle time every stage waits.
 
 Each collective moves its bytes at the bandwidth of the link its mesh dim
 crosses (:func:`link_of`).
@@ -174,6 +179,8 @@ def link_of(mesh: Mapping[str, int], dim: str, gpus_per_node: int) -> str:
 
 _DIM_OF = {
     "tp": "tp",
+    "cp_ring": "cp",
+    "pp_p2p": "pp",
     "fsdp_all_gather": "dp_shard",
     "fsdp_reduce_scatter": "dp_shard",
     "hsdp_all_reduce": "dp_replicate",
@@ -185,8 +192,9 @@ _HOST = "offload_host_copies"
 class StepTime:
     """One candidate's predicted step in seconds: ``compute``, ``tp`` and
     ``dp`` communication (``dp`` overlaps compute, so ``total`` counts only
-    what exceeds it), ``offload`` host copies, and the link each mesh dim's
-    collectives take; ``tokens`` is what the step trains per GPU.
+    what exceeds it), ``offload`` host copies, ``cp`` ring and ``pp``
+    point-to-point traffic, the pipeline ``bubble``, and the link each mesh
+    dim's collectives take; ``tokens`` is what the step trains per GPU.
 
     Candidates of one world train different global batches (``--batch`` is
     per data-parallel rank, and TP makes fewer of them), so they compare by
@@ -198,6 +206,9 @@ class StepTime:
     offload: float
     links: dict[str, str]
     tokens: float
+    cp: float = 0.0
+    pp: float = 0.0
+    bubble: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -210,7 +221,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return max(self.compute, self.dp) + self.tp + self.offload
+        return max(self.compute, self.dp) + self.tp + self.cp + self.pp + self.bubble + self.offload
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -219,6 +230,9 @@ class StepTime:
             "dp_comm_ms": self.dp * 1e3,
             "dp_comm_exposed_ms": self.dp_exposed * 1e3,
             "offload_ms": self.offload * 1e3,
+            "cp_comm_ms": self.cp * 1e3,
+            "pp_comm_ms": self.pp * 1e3,
+            "pipeline_bubble_ms": self.bubble * 1e3,
             "total_ms": self.total * 1e3,
             "tokens_per_gpu": self.tokens,
             "tokens_per_s_per_gpu": self.tokens_per_s,
@@ -227,17 +241,26 @@ class StepTime:
 
 
 def predict(
-    mesh: Mapping[str, int], comm_bytes: Mapping[str, int], flops: float, hw: Hardware, *, tokens: float
+    mesh: Mapping[str, int],
+    comm_bytes: Mapping[str, int],
+    flops: float,
+    hw: Hardware,
+    *,
+    tokens: float,
+    bubble: float = 0.0,
 ) -> StepTime:
     """The step time of one rank doing ``flops`` and moving ``comm_bytes``
     (per kind, as :class:`fsdptx.cli._fit.Candidate` counts them) on
-    ``mesh``, training ``tokens`` per GPU.
+    ``mesh``, training ``tokens`` per GPU; ``bubble`` is the pipeline's idle
+    share relative to the compute (0 without stages).
 
     Raises:
         ValueError: a kind of communication with no known link, or bytes
             on a dim the mesh does not have.
     """
-    seconds = {"tp": 0.0, "dp": 0.0}
+    if not (math.isfinite(bubble) and bubble >= 0):
+        raise ValueError(f"the pipeline bubble must be a finite number >= 0, got {bubble!r}")
+    seconds = {"tp": 0.0, "dp": 0.0, "cp": 0.0, "pp": 0.0}
     links: dict[str, str] = {}
     offload = 0.0
     for kind, nbytes in comm_bytes.items():
@@ -253,5 +276,8 @@ def predict(
             raise ValueError(f"{nbytes:,} bytes of {kind} on a mesh without {dim}: {dict(mesh)}")
         links[dim] = link_of(mesh, dim, hw.gpus_per_node)
         bandwidth = hw.nvlink if links[dim] == "nvlink" else hw.network
-        seconds["tp" if dim == "tp" else "dp"] += nbytes / bandwidth
-    return StepTime(flops / (hw.flops * hw.mfu), seconds["tp"], seconds["dp"], offload, links, tokens)
+        seconds[dim if dim in ("tp", "cp", "pp") else "dp"] += nbytes / bandwidth
+    compute = flops / (hw.flops * hw.mfu)
+    return StepTime(
+        compute, seconds["tp"], seconds["dp"], offload, links, tokens, seconds["cp"], seconds["pp"], compute * bubble
+    )

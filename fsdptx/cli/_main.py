@@ -42,6 +42,7 @@ from ._common import UsageError, _DTYPES, _dtype, _one_line, _rows, mp_policy
 from ._diff import PlanFileError, add_diff_parser, run_diff
 from ._cp import ROTATE_METHODS, cp_seq_error
 from ._ep import check_routing_skew
+from ._fit_dims import CP_MIN_SEQ, CP_SIZES, PP_SIZES
 from ._hardware import DEFAULT_GPU, DEFAULT_GPUS_PER_NODE, DEFAULT_MFU, GPUS
 from ._memory import disable_kv_cache, memory_json, memory_text
 from ._pipeline import add_pipeline_arguments, pipeline_config, run_pipeline_plan
@@ -442,6 +443,19 @@ def _parser() -> _Parser:
     )
     fit.add_argument("--mfu", type=float, help=f"share of the peak the step reaches, in (0, 1] (default {DEFAULT_MFU:g})")
     fit.add_argument("--top", type=int, metavar="K", help="list only the K best of what fits (default all)")
+    fit.add_argument(
+        "--fit-cp",
+        metavar="SIZES",
+        help=f"context-parallel sizes --fit tries besides 1: auto ({', '.join(map(str, CP_SIZES))} from --seq "
+        f"{CP_MIN_SEQ} on, none below), 1 (none) or a list such as 2,4",
+    )
+    fit.add_argument(
+        "--fit-pp",
+        metavar="SIZES",
+        help=f"pipeline sizes --fit tries besides 1, modelled from the traced blocks: auto "
+        f"({', '.join(map(str, PP_SIZES))}), 1 (none) or a list such as 2,4; with --schedule 1F1B or GPipe "
+        "(default 1F1B) and --microbatches (default --batch: one sequence each)",
+    )
     p.add_argument(
         "--cp-rotate",
         choices=list(ROTATE_METHODS),
@@ -461,7 +475,7 @@ def _parser() -> _Parser:
     return parser
 
 
-_FIT_ONLY = ("headroom", "gpu", "flops", "nvlink", "network", "pcie", "gpus_per_node", "mfu", "top")
+_FIT_ONLY = ("headroom", "gpu", "flops", "nvlink", "network", "pcie", "gpus_per_node", "mfu", "top", "fit_cp", "fit_pp")
 
 
 def run_plan(args: argparse.Namespace) -> str:
@@ -475,11 +489,13 @@ def run_plan(args: argparse.Namespace) -> str:
                 "--html draws one traced step and --fit evaluates many configurations; pick one from the "
                 "--fit list and run plan with its options and --html FILE"
             )
-        pipeline_config(args, None)  # refuses the pipeline options
+        pipeline_config(args, None)  # refuses the pipeline options --fit does not search
         if args.ep < 1:
             raise UsageError(f"--ep must be >= 1, got {args.ep}")
         if args.cp_rotate is not None:
-            raise UsageError("--fit does not enumerate cp, so --cp-rotate has nothing to size; plan one cp mesh with it")
+            raise UsageError(
+                "--fit traces its cp candidates with torch's default allgather rotation; plan one cp mesh with --cp-rotate"
+            )
         if args.routing_skew is not None:
             raise UsageError(
                 "--routing-skew sizes the experts' token dispatch of one traced step, which --fit does not "

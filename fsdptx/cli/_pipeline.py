@@ -45,6 +45,7 @@ from ..model._stages import PipelineParts, build_stage_module
 from ..plan._json import plan_document
 from ..plan._plan import Pipeline, Plan, Stage
 from ..plan._stages import MULTI_STAGE_SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelineParallelConfig, bubble_fraction
+from ._fit_dims import FIT_SCHEDULES
 from ._common import APPLY_BUDGET, UsageError, _one_line, param_shards
 from ._memory import MemoryEstimate, estimate_from_trace
 from ._scaling import rescale, steady_bytes, traced_steady
@@ -90,8 +91,16 @@ def pipeline_config(args: argparse.Namespace, names: Sequence[str] | None) -> Pi
     what the pipelined dry run does not do, are refused (:class:`UsageError`)."""
     given = _given(args)
     if names is None:
-        if given:
-            raise UsageError(f"{', '.join(given)} apply to a --mesh with a pp axis; --fit does not enumerate pipeline meshes")
+        searched = [f for f in given if f not in ("--schedule", "--microbatches")]
+        if searched:
+            raise UsageError(
+                f"{', '.join(searched)} apply to a --mesh with a pp axis; --fit's pipeline candidates split the "
+                "blocks evenly, one stage per rank (--schedule 1F1B or GPipe, --microbatches)"
+            )
+        if args.schedule is not None and args.schedule not in FIT_SCHEDULES:
+            raise UsageError(f"--fit models the schedules {', '.join(FIT_SCHEDULES)} (one stage per rank), not {args.schedule!r}")
+        if args.microbatches is not None and args.microbatches < 1:
+            raise UsageError(f"--microbatches must be >= 1, got {args.microbatches}")
         return None
     if "pp" not in names:
         if given:

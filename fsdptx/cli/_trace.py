@@ -48,7 +48,7 @@ from ..core._torch_internals import (
 from ._ep import ExpertRouting
 from ._ring import RingAttention
 
-__all__ = ["CATEGORIES", "RING_BUFFERS", "Collective", "Sample", "Trace", "trace_step", "vocab_size", "where_label"]
+__all__ = ["CATEGORIES", "RING_BUFFERS", "Collective", "Sample", "Trace", "token_embedding", "trace_step", "vocab_size", "where_label"]
 
 # The tracker's categories (``_FSDPRefType`` values), renamed to JSON keys.
 CATEGORIES: dict[str, str] = {
@@ -213,16 +213,23 @@ def _logits(out: object) -> torch.Tensor:
     )
 
 
+def token_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The model's token embedding: the one it declares
+    (``get_input_embeddings``), else its first ``nn.Embedding``."""
+    getter = getattr(model, "get_input_embeddings", None)
+    emb = getter() if callable(getter) else None
+    if isinstance(emb, nn.Embedding):
+        return emb
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
 def vocab_size(model: nn.Module) -> int:
     """The token embedding's row count, which sizes the trace's token ids.
 
     Raises:
         TypeError: the model has no ``nn.Embedding``.
     """
-    getter = getattr(model, "get_input_embeddings", None)
-    emb = getter() if callable(getter) else None
-    if not isinstance(emb, nn.Embedding):
-        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    emb = token_embedding(model)
     if emb is None:
         raise TypeError(
             f"{type(model).__name__} has no nn.Embedding; the memory trace feeds token ids (batch, seq) "

@@ -1,6 +1,7 @@
-"""Properties of ``plan --fit``'s step-time model: more bytes, or the same
-bytes on a slower link, never predict a faster step, whatever the mesh,
-the work and the hardware."""
+"""Properties of ``plan --fit``'s step-time model: more bytes, the same
+bytes on a slower link, or a larger pipeline bubble never predict a faster
+step, whatever the mesh (context and pipeline dims included), the work and
+the hardware."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ MESHES = [
     {"dp_shard": 32, "tp": 8},
     {"dp_replicate": 4, "dp_shard": 2, "tp": 4},
     {"dp_replicate": 16, "dp_shard": 8, "tp": 2},
+    {"dp_shard": 4, "cp": 2, "tp": 2},
+    {"pp": 4, "dp_replicate": 2, "dp_shard": 2, "tp": 4},
 ]
-KINDS = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce", "tp", "offload_host_copies")
+KINDS = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce", "tp", "cp_ring", "pp_p2p", "offload_host_copies")
 LINKS = ("nvlink", "network", "pcie")
 
 rates = st.floats(min_value=1e6, max_value=1e16, allow_nan=False)
@@ -38,7 +41,7 @@ def steps(draw: st.DrawFn) -> tuple[dict[str, int], dict[str, int], float]:
     mesh = draw(st.sampled_from(MESHES))
     nbytes = {
         k: draw(st.integers(0, 10**12)) if k == "offload_host_copies" or mesh.get(dim, 1) > 1 else 0
-        for k, dim in zip(KINDS, ("dp_shard", "dp_shard", "dp_replicate", "tp", ""))
+        for k, dim in zip(KINDS, ("dp_shard", "dp_shard", "dp_replicate", "tp", "cp", "pp", ""))
     }
     return mesh, nbytes, draw(st.floats(min_value=0, max_value=1e18))
 
@@ -70,3 +73,12 @@ def test_more_work_never_predicts_a_faster_step(
 ) -> None:
     mesh, nbytes, flops = step
     assert predict(mesh, nbytes, flops + more, hw, tokens=1.0).total >= predict(mesh, nbytes, flops, hw, tokens=1.0).total
+
+
+@given(steps(), hardware, st.floats(min_value=0, max_value=100), st.floats(min_value=0, max_value=100))
+def test_a_larger_pipeline_bubble_never_predicts_a_faster_step(
+    step: tuple[dict[str, int], dict[str, int], float], hw: Hardware, bubble: float, more: float
+) -> None:
+    mesh, nbytes, flops = step
+    before = predict(mesh, nbytes, flops, hw, tokens=1.0, bubble=bubble).total
+    assert predict(mesh, nbytes, flops, hw, tokens=1.0, bubble=bubble + more).total >= before

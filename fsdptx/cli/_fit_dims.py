@@ -1,0 +1,248 @@
+"""``plan --fit`` beyond ``dp x tp``: context parallelism and pipeline stages.
+
+Context parallelism is traced like every other candidate (the dry run
+traces a ``cp`` step at ``seq / cp`` and models ring attention's buffers,
+:mod:`fsdptx.cli._cp`); this module adds only its ring traffic, from the
+same attention layers the buffers come from.
+
+Pipeline candidates are *modelled* from the traces the search already
+made, not traced per stage (a stage trace per candidate would cost what the
+whole search costs). The traced steps at two block counts give what one
+block adds (its activations) and what the rest of the step holds; each
+stage of the split ``plan`` would make (:func:`stage_shares`, the planner's
+own split) then holds, per rank:
+
+- its parameters, gradients and optimizer state, exact from the shapes;
+- its units gathered for the whole step (under pipeline parallelism FSDP
+  keeps parameters gathered between forward and backward);
+- its blocks' activations for the micro-batches in flight
+  (:func:`~fsdptx.plan._stages.in_flight_microbatches`), each micro-batch
+  ``batch / microbatches`` sequences; the last stage also the head's;
+- the traced peak's transients: its temporaries (the loss's, an
+  operator's workspace) at one micro-batch, its collective buffers and
+  unsharded gradients (one unit's) as traced;
+- the point-to-point buffers of every micro-batch's input and gradient;
+- on the last stage, the schedule's hold on each micro-batch's output and
+  its loss gradient, outside the module (fp32 logits and their gradient,
+  the vocabulary split over ``tp``).
+
+The peak stage is the candidate's peak. Tests compare it with ``plan``
+run with the candidate's options (a traced step per stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..model._index import ModelIndex, discover_blocks
+from ..model._stages import pipeline_parts
+from ..plan._stages import PipelineParallelConfig, bubble_fraction, in_flight_microbatches, microbatch_problem, split_stages
+from ._report import ParamShard, ceil_div
+from ._ring import GRAD_BYTES, RingAttention
+from ._scaling import steady_bytes
+from ._trace import token_embedding
+
+__all__ = [
+    "CP_MIN_SEQ",
+    "CP_SIZES",
+    "FIT_SCHEDULES",
+    "PP_SIZES",
+    "StagePeak",
+    "StageShares",
+    "cp_ring_bytes",
+    "p2p_bytes",
+    "parse_sizes",
+    "pipeline_peak",
+    "stage_shares",
+]
+
+CP_SIZES = (2, 4, 8)
+CP_MIN_SEQ = 16384
+"""``--fit-cp auto`` searches ``cp`` in :data:`CP_SIZES` from this sequence
+length on: below it a sequence's activations rarely outgrow what FSDP and
+TP leave free, and every ``cp`` size costs the search as much as ``cp=1``."""
+
+PP_SIZES = (2, 4, 8, 16)
+"""``--fit-pp auto``: pipeline sizes tried (those that divide the world and
+leave each stage a block)."""
+
+FIT_SCHEDULES = ("1F1B", "GPipe")
+"""Schedules ``--fit`` models: one stage per rank."""
+
+
+def parse_sizes(text: str, option: str, auto: Sequence[int]) -> tuple[int, ...]:
+    """``--fit-cp``/``--fit-pp``: ``auto`` (``auto``'s sizes), ``1`` (none)
+    or a comma list such as ``2,4``; sizes above 1 only.
+
+    Raises:
+        ValueError: naming the option and the text.
+    """
+    if text.strip() == "auto":
+        return tuple(auto)
+    try:
+        sizes = tuple(sorted({int(t) for t in text.split(",")}))
+    except ValueError:
+        raise ValueError(f"malformed {option} {text!r}: expected auto, 1 or sizes such as 2,4") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"{option} {text!r}: sizes must be integers >= 1")
+    return tuple(s for s in sizes if s > 1)
+
+
+def cp_ring_bytes(ring: RingAttention, layers: int, ac: str | bool) -> int:
+    """Bytes one CP rank receives per step for ring attention over ``layers``
+    attention layers: K and V of the rest of the sequence gathered in
+    forward, again in backward and in a full recompute, and the fp32 dK/dV
+    chunks passed around the ring in backward (``(cp - 1) / cp`` of each)."""
+    if ring.cp < 2 or not ring.layers:
+        return 0
+    widest = max(ring.layers, key=lambda layer: layer.kv_bytes_per_token)
+    gathers = 2 + (1 if ac == "full" else 0)
+    per_layer = ring.batch * ring.seq * (gathers * widest.kv_bytes_per_token + widest.kv_width * GRAD_BYTES)
+    return int(layers * per_layer * (ring.cp - 1) / ring.cp)
+
+
+@dataclass(frozen=True)
+class StageShares:
+    """The whole model split into ``pp`` stages as the planner splits it:
+    blocks per stage and the parameters (FQNs) each stage holds."""
+
+    blocks: tuple[int, ...]
+    params: tuple[tuple[str, ...], ...]
+    hidden: int | None  # the stream's width between stages (None: not found)
+    vocab: int | None  # the head's output width (None: not found)
+
+
+def stage_shares(model: nn.Module, pp: int, schedule: str) -> StageShares:
+    """The stages of ``model`` (unparallelized, meta is fine) on ``pp`` ranks.
+
+    Raises:
+        PlanningError: the model cannot be split into ``pp`` stages.
+    """
+    index = ModelIndex.build(model)
+    parts = pipeline_parts(model, index, discover_blocks(model, index))
+    split = split_stages(parts, PipelineParallelConfig(schedule=schedule), pp)
+    owner = {fqn: s for s, held in enumerate(split) for fqn in held}
+    params: list[list[str]] = [[] for _ in split]
+    for name, _ in model.named_parameters():
+        parts_of = name.split(".")
+        stage = next((owner[".".join(parts_of[:i])] for i in range(len(parts_of), 0, -1) if ".".join(parts_of[:i]) in owner), None)
+        if stage is not None:
+            params[stage].append(name)
+    block_set = set(parts.blocks)
+    embedding = token_embedding(model)
+    hidden = None if embedding is None else embedding.embedding_dim
+    vocab = None if embedding is None else embedding.num_embeddings
+    return StageShares(
+        blocks=tuple(sum(1 for f in held if f in block_set) for held in split),
+        params=tuple(tuple(p) for p in params),
+        hidden=hidden,
+        vocab=vocab,
+    )
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """One pipeline candidate's modelled peak stage and its traffic inputs."""
+
+    peak_bytes: int
+    stage: int
+    activations_bytes: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    gathered_bytes: tuple[int, ...]  # per stage: its units gathered (compute dtype)
+    grad_numel: tuple[int, ...]  # per stage: this TP rank's gradient elements
+    most_blocks: int
+    bubble: float
+
+
+def _tp_local(shard: ParamShard, tp: int) -> int:
+    return ceil_div(shard.numel, tp) if shard.tp_sharded else shard.numel
+
+
+def pipeline_peak(
+    shares: StageShares,
+    shards: Mapping[str, ParamShard],
+    *,
+    schedule: str,
+    microbatches: int,
+    tp: int,
+    block_activations: float,
+    rest_activations: float,
+    token_transient: int,
+    unit_transient: int,
+    batch: int,
+    seq: int,
+    sequence_parallel: bool,
+    compute_dtype: torch.dtype | None,
+    optimizer: str,
+    offload: bool,
+) -> StagePeak:
+    """The modelled per-rank peak of every stage (module docstring); the
+    largest one is returned with what it is made of.
+
+    Args:
+        shares: the split (:func:`stage_shares`).
+        shards: rank 0's shard of every parameter at the candidate's mesh.
+        block_activations: one block's activations at the whole ``batch``.
+        rest_activations: the traced step's activations outside the blocks.
+        token_transient: the traced peak's temporaries at the whole ``batch``.
+        unit_transient: the traced peak's collective buffers and unsharded gradients.
+        compute_dtype: the units' compute dtype (``None``: storage dtype).
+
+    Raises:
+        ValueError: the schedule cannot run ``microbatches`` on these stages.
+    """
+    pp = len(shares.blocks)
+    problem = microbatch_problem(schedule, microbatches, pp, pp)
+    if problem is not None:
+        raise ValueError(problem)
+    act_bytes = (compute_dtype or torch.bfloat16).itemsize
+    stream = 0
+    if shares.hidden is not None:
+        local_seq = seq // tp if sequence_parallel and tp > 1 else seq
+        stream = batch * local_seq * shares.hidden * act_bytes  # every micro-batch's boundary tensor, together
+    best: tuple[int, int, int, tuple[int, int, int]] | None = None
+    gathered: list[int] = []
+    grad_numel: list[int] = []
+    for s, names in enumerate(shares.params):
+        mine = {f: shards[f] for f in names if f in shards}
+        steady = (0, 0, 0) if offload else steady_bytes(mine, optimizer)
+        held = sum(_tp_local(p, tp) * (compute_dtype or p.dtype).itemsize for p in mine.values())
+        gathered.append(held)
+        grad_numel.append(sum(_tp_local(p, tp) for p in mine.values() if p.requires_grad))
+        flight = in_flight_microbatches(schedule, s, pp, microbatches)
+        acts = flight * (shares.blocks[s] * block_activations + (rest_activations if s == pp - 1 else 0)) / microbatches
+        p2p = 2 * stream if 0 < s < pp - 1 else stream  # inputs and their gradients; an end stage one side
+        if s == pp - 1 and shares.vocab is not None:
+            p2p += 2 * batch * seq * ceil_div(shares.vocab, tp) * 4 // microbatches
+        peak = int(sum(steady) + held + acts + token_transient / microbatches + unit_transient + p2p)
+        if best is None or peak > best[0]:
+            best = (peak, s, int(acts), steady)
+    assert best is not None  # a split has at least one stage
+    peak, stage, acts, (params, grads, states) = best
+    return StagePeak(
+        peak_bytes=peak,
+        stage=stage,
+        activations_bytes=acts,
+        params_bytes=params,
+        grads_bytes=grads,
+        optimizer_bytes=states,
+        gathered_bytes=tuple(gathered),
+        grad_numel=tuple(grad_numel),
+        most_blocks=max(shares.blocks),
+        bubble=bubble_fraction(pp, microbatches),
+    )
+
+
+def p2p_bytes(shares: StageShares, *, batch: int, seq: int, tp: int, sequence_parallel: bool, dtype: torch.dtype | None) -> int:
+    """Bytes a middle stage sends and receives per step: every micro-batch's
+    activation in and out in forward, and their gradients in backward."""
+    if shares.hidden is None:
+        return 0
+    local_seq = seq // tp if sequence_parallel and tp > 1 else seq
+    return 4 * batch * local_seq * shares.hidden * (dtype or torch.bfloat16).itemsize

@@ -1,0 +1,134 @@
+"""``--fit`` across context and pipeline parallelism: ``cp`` candidates are
+the traced step ``plan`` gives with their own options; ``pp`` candidates are
+modelled from the traced blocks and stay within -10%/+25% of the step
+``plan`` traces per stage (the band the traced peaks keep against
+FSDPMemTracker below, wider above: the model errs on the safe side), with
+the same stage peaking; what cannot be searched is listed with why."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from typing import Any
+
+import pytest
+
+from fsdptx.cli._main import main
+
+MODEL = ("--preset", "llama", "--layers", "4", "--batch", "4", "--seq", "512")
+SEARCH = ("--fit", "8x8GiB", "--fit-cp", "2", "--fit-pp", "2,4", "--json")
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _json(argv: list[str]) -> dict[str, Any]:
+    code, out, err = _run(argv)
+    assert code == 0, err
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def fit() -> dict[str, Any]:
+    return _json(["plan", *MODEL, *SEARCH])["fit"]  # type: ignore[no-any-return]
+
+
+def _candidates(fit: dict[str, Any]) -> list[dict[str, Any]]:
+    return fit["fitting"] + fit["not_fitting"]  # type: ignore[no-any-return]
+
+
+def _find(fit: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+    found = [c for c in _candidates(fit) if c["argv"] == argv]
+    assert len(found) == 1, f"{argv} not among the candidates"
+    return found[0]
+
+
+def test_the_search_spans_cp_and_pp_beside_dp_and_tp(fit: dict[str, Any]) -> None:
+    meshes = [c["mesh"] for c in _candidates(fit)]
+    assert any(m.get("cp") == 2 and m.get("tp", 1) > 1 for m in meshes)
+    assert {m.get("pp") for m in meshes} >= {2, 4}
+    assert any("pp" not in m and "cp" not in m for m in meshes)
+    assert not any("pp" in m and "cp" in m for m in meshes)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mesh", "dp_shard=4,cp=2"],
+        ["--mesh", "dp_shard=2,cp=2,tp=2", "--sp", "--ac", "full"],
+    ],
+)
+def test_a_cp_candidates_peak_is_what_plan_traces_with_its_options(fit: dict[str, Any], argv: list[str]) -> None:
+    candidate = _find(fit, argv)
+    memory = _json(["plan", *MODEL, *argv, "--json"])["memory"]
+    assert candidate["peak_bytes"] == memory["peak_bytes"]
+    assert candidate["activations_bytes"] == memory["activations_bytes"]
+    assert candidate["comm_bytes"]["cp_ring"] > 0
+    assert candidate["predicted_step"]["cp_comm_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mesh", "pp=2,dp_shard=4", "--schedule", "1F1B", "--microbatches", "4"],
+        ["--mesh", "pp=2,dp_shard=2,tp=2", "--sp", "--schedule", "1F1B", "--microbatches", "4", "--ac", "selective"],
+        ["--mesh", "pp=4,dp_shard=2", "--schedule", "1F1B", "--microbatches", "4", "--ac", "full"],
+    ],
+)
+def test_a_pp_candidates_modelled_peak_is_within_minus_10_plus_25_percent_of_the_traced_stages(
+    fit: dict[str, Any], argv: list[str]
+) -> None:
+    candidate = _find(fit, argv)
+    memory = _json(["plan", *MODEL, *argv, "--json"])["memory"]
+    traced = memory["peak_bytes"]
+    assert 0.9 * traced <= candidate["peak_bytes"] <= 1.25 * traced, (candidate["peak_bytes"], traced)
+    assert candidate["pipeline"]["peak_stage"] == memory["peak_stage"]
+    assert candidate["pipeline"] == {**candidate["pipeline"], "schedule": "1F1B", "microbatches": 4, "modelled": True}
+
+
+def test_a_pp_candidates_step_counts_the_bubble_and_divides_the_work_by_its_stages(fit: dict[str, Any]) -> None:
+    staged = _find(fit, ["--mesh", "pp=2,dp_shard=4", "--schedule", "1F1B", "--microbatches", "4"])
+    flat = _find(fit, ["--mesh", "dp_shard=8"])
+    s, f = staged["predicted_step"], flat["predicted_step"]
+    assert s["compute_ms"] == pytest.approx(f["compute_ms"] / 2)  # two of four blocks on each stage
+    assert s["pipeline_bubble_ms"] == pytest.approx(s["compute_ms"] * (2 - 1) / 4)
+    assert s["tokens_per_gpu"] == pytest.approx(f["tokens_per_gpu"] / 2)
+    assert staged["comm_bytes"]["pp_p2p"] > 0
+
+
+def test_a_pp_candidate_reproduces_with_a_pipeline_config(fit: dict[str, Any]) -> None:
+    candidate = _find(fit, ["--mesh", "pp=4,dp_shard=2", "--schedule", "1F1B", "--microbatches", "4", "--ac", "full"])
+    assert "pipeline_parallel=PipelineParallelConfig(schedule='1F1B', microbatches=4)" in candidate["config"]
+
+
+def test_pipeline_sizes_a_batch_cannot_feed_are_listed_with_why() -> None:
+    fit = _json(["plan", "--preset", "llama", "--layers", "4", "--seq", "256", "--fit", "4x8GiB", "--fit-cp", "1", "--json"])["fit"]
+    assert not any("pp" in c["mesh"] for c in _candidates(fit))
+    assert any(s.startswith("pp=2:") and "raise --batch" in s for s in fit["skipped"])
+
+
+def test_cp_is_searched_by_default_only_for_long_sequences() -> None:
+    fit = _json(["plan", "--preset", "llama", "--layers", "2", "--seq", "256", "--fit", "2x8GiB", "--json"])["fit"]
+    assert not any("cp" in c["mesh"] for c in _candidates(fit))
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("--fit-cp", "two"), "malformed --fit-cp 'two'"),
+        (("--fit-pp", "0"), "--fit-pp '0': sizes must be integers >= 1"),
+        (("--schedule", "Interleaved1F1B"), "--fit models the schedules 1F1B, GPipe"),
+        (("--stages-per-rank", "2"), "--stages-per-rank apply to a --mesh with a pp axis"),
+        (("--mesh", "dp=2", "--fit-pp", "2"), "--fit-pp apply to --fit"),
+    ],
+)
+def test_bad_search_dimensions_are_refused_in_one_line(argv: tuple[str, ...], says: str) -> None:
+    fit = () if "--mesh" in argv else ("--fit", "4x8GiB")
+    code, out, err = _run(["plan", "--preset", "llama", "--layers", "2", *fit, *argv])
+    assert code == 2 and out == ""
+    assert says in err and len(err.strip().splitlines()) == 1, err
