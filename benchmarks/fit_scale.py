@@ -1,0 +1,147 @@
+"""How long the dry run and ``--fit`` take at real scale, and where the time goes.
+
+Each timed figure is a fresh ``python -m fsdptx plan ...`` process (imports
+included, as a user runs it), ``--runs`` times; the table shows the median
+with the range. Targets (the sizing issue): the 80-layer Llama of 70B shapes
+planned on dp=32 x tp=8 + SP within 15 s; ``--fit`` at seq 8192 on 256 x
+80 GiB within 60 s and on 1,024 x 80 GiB within 90 s; DeepSeek-V3 shapes
+on 256 x 141 GiB within 60 s. Then one in-process ``--fit`` per size with
+timers around its parts: the traced steps, the untraced dry runs that size
+the whole model, and the rest (meshes, candidates, ranking, the report).
+
+Run: ``PYTHONPATH=. python benchmarks/fit_scale.py [--gpus 8 64 256 1024] [--runs 3] [--skip-deepseek]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+LLAMA_70B = (
+    "--hf",
+    "llama",
+    "--hf-config",
+    "num_hidden_layers=80,hidden_size=8192,intermediate_size=28672,num_attention_heads=64,"
+    "num_key_value_heads=8,vocab_size=128256",
+)
+DEEPSEEK_V3 = ("--hf", "deepseek_v3")  # fsdptx.hf's shapes: 61 layers, 256 routed experts, top-8
+
+
+def _timed(argv: Sequence[str]) -> tuple[float, dict[str, Any]]:
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdptx", "plan", *argv, "--json"], capture_output=True, text=True, check=False
+    )
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"fit_scale: {' '.join(argv)} failed:\n{done.stderr[-2000:]}")
+    return wall, json.loads(done.stdout)
+
+
+def _row(label: str, argv: Sequence[str], runs: int, target: float | None, count: Callable[[dict[str, Any]], str]) -> None:
+    walls, last = [], {}
+    for _ in range(runs):
+        wall, last = _timed(argv)
+        walls.append(wall)
+    med = statistics.median(walls)
+    verdict = "" if target is None else (" met" if med <= target else " MISSED")
+    goal = "" if target is None else f"{target:.0f} s"
+    print(f"| {label} | {med:.1f} s | {min(walls):.1f}-{max(walls):.1f} s | {goal}{verdict} | {count(last)} |", flush=True)
+
+
+def _fit_counts(data: dict[str, Any]) -> str:
+    fit = data["fit"]
+    meshes = fit["fitting"] + fit["not_fitting"]
+    dims = sorted({k for c in meshes for k in c["mesh"]})
+    return f"{fit['evaluated']} configurations ({', '.join(dims)}), {fit['fitting_total']} fit"
+
+
+@contextlib.contextmanager
+def _stopwatch(module: Any, name: str, totals: dict[str, float]) -> Iterator[None]:
+    """Add the wall time of every call of ``module.name`` to ``totals[name]``."""
+    original = getattr(module, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+
+    setattr(module, name, timed)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _where(argv: Sequence[str]) -> str:
+    """One in-process --fit with its traces and dry runs timed apart."""
+    from fsdptx.cli import _fit, _run
+    from fsdptx.cli._main import main
+
+    totals: dict[str, float] = {}
+    start = time.perf_counter()
+    with _stopwatch(_fit, "_measure", totals), _stopwatch(_run, "dry_run", totals):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            main(["plan", *argv, "--json"])
+    total = time.perf_counter() - start
+    traced = totals.get("_measure", 0.0)
+    untraced = totals.get("dry_run", 0.0) - traced  # dry_run also runs inside _measure
+    rest = total - traced - untraced
+    return (
+        f"{total:.1f} s in process: traced steps {traced:.1f} s ({traced / total:.0%}), whole-model dry runs "
+        f"{untraced:.1f} s ({untraced / total:.0%}), the rest {rest:.1f} s ({rest / total:.0%})"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256, 1024])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--skip-deepseek", action="store_true")
+    args = ap.parse_args()
+
+    targets = {256: 60.0, 1024: 90.0}
+    print("| what | median | range | target | searched |")
+    print("|---|---|---|---|---|")
+    _row(
+        "70B plan, dp=32 x tp=8 + SP",
+        [*LLAMA_70B, "--mesh", "dp=32,tp=8", "--sp"],
+        args.runs,
+        15.0,
+        lambda d: f"{d['world_size']} ranks",
+    )
+    for gpus in args.gpus:
+        _row(
+            f"70B --fit {gpus}x80GiB, seq {args.seq}",
+            [*LLAMA_70B, "--seq", str(args.seq), "--fit", f"{gpus}x80GiB"],
+            args.runs,
+            targets.get(gpus),
+            _fit_counts,
+        )
+    if not args.skip_deepseek:
+        _row(
+            "DeepSeek-V3 --fit 256x141GiB, seq 4096, --ep 8",
+            [*DEEPSEEK_V3, "--seq", "4096", "--ep", "8", "--fit", "256x141GiB"],
+            args.runs,
+            60.0,
+            _fit_counts,
+        )
+    print()
+    print("Where the time goes (one in-process run each):")
+    for gpus in args.gpus:
+        print(f"- 70B --fit {gpus}x80GiB: {_where([*LLAMA_70B, '--seq', str(args.seq), '--fit', f'{gpus}x80GiB'])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
