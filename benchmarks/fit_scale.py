@@ -90,11 +90,11 @@ def _where(argv: Sequence[str]) -> str:
 
     totals: dict[str, float] = {}
     start = time.perf_counter()
-    with _stopwatch(_fit, "_measure", totals), _stopwatch(_run, "dry_run", totals):
+    with _stopwatch(_fit, "measure", totals), _stopwatch(_run, "dry_run", totals):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             main(["plan", *argv, "--json"])
     total = time.perf_counter() - start
-    traced = totals.get("_measure", 0.0)
+    traced = totals.get("measure", 0.0)
     untraced = totals.get("dry_run", 0.0) - traced  # dry_run also runs inside _measure
     rest = total - traced - untraced
     return (

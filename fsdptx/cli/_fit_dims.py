@@ -32,18 +32,22 @@ run with the candidate's options (a traced step per stage).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..model._index import ModelIndex, discover_blocks
+from ..model._index import ModelIndex, PlanningError, discover_blocks
 from ..model._stages import pipeline_parts
 from ..plan._stages import PipelineParallelConfig, bubble_fraction, in_flight_microbatches, microbatch_problem, split_stages
+from ._common import _one_line
+from ._fit_candidate import Candidate
+from ._fit_measure import Measured, extrapolate, ring_bytes, trace_at
 from ._report import ParamShard, ceil_div
 from ._ring import GRAD_BYTES, RingAttention
-from ._scaling import steady_bytes
+from ._scaling import rescale, steady_bytes, traced_steady
 from ._trace import token_embedding
 
 __all__ = [
@@ -51,12 +55,15 @@ __all__ = [
     "CP_SIZES",
     "FIT_SCHEDULES",
     "PP_SIZES",
+    "Pipe",
     "StagePeak",
     "StageShares",
     "cp_ring_bytes",
     "p2p_bytes",
+    "evaluate_pipeline",
     "parse_sizes",
     "pipeline_peak",
+    "pipes",
     "stage_shares",
 ]
 
@@ -246,3 +253,146 @@ def p2p_bytes(shares: StageShares, *, batch: int, seq: int, tp: int, sequence_pa
         return 0
     local_seq = seq // tp if sequence_parallel and tp > 1 else seq
     return 4 * batch * local_seq * shares.hidden * (dtype or torch.bfloat16).itemsize
+
+
+def evaluate_pipeline(
+    mesh: dict[str, int],
+    ac: str | bool,
+    offload: bool,
+    measured: Measured,
+    shards: dict[str, ParamShard],
+    layers: int,
+    optimizer: str,
+    pipe: Pipe,
+) -> Candidate:
+    """Model one pipeline candidate (:mod:`fsdptx.cli._fit_dims`) from the
+    traces of its (tp, checkpointing, replication) at its shard count:
+    the activations one block adds, the rest, and the step's transient
+    peak, then each stage of the planner's split.
+
+    Raises:
+        ValueError: the schedule cannot run the micro-batches on these stages."""
+    shard, rep, tp = mesh["dp_shard"], mesh.get("dp_replicate", 1), mesh.get("tp", 1)
+    acts: list[tuple[int, float]] = []
+    by_tokens = by_params = 0
+    tp_comm: list[tuple[int, float]] = []
+    for n_layers, points, shards_at in measured.traces:
+        trace = trace_at(points, shard)
+        _, _, at_peak = rescale(trace, traced=traced_steady(trace), target=steady_bytes(shards_at(shard), optimizer))
+        # transients: the operators' temporaries and inputs grow with the tokens (the largest the
+        # step holds: a stage may peak where the whole model does not, at its head), the buffers of
+        # a unit's collectives and its unsharded gradients with its parameters (as at the peak)
+        by_tokens = max(
+            by_tokens, max((x.bytes.get("temporaries", 0) + x.bytes.get("inputs", 0) for x in trace.samples), default=0)
+        )
+        by_params = max(by_params, sum(at_peak.get(k, 0) for k in UNIT_TRANSIENTS))
+        acts.append((n_layers, trace.activations))
+        tp_comm.append((n_layers, sum(c.bytes for c in trace.collectives if c.source == "tp")))
+    if len(acts) == 2:
+        (la, a), (lb, b) = acts
+        block, rest = (b - a) / (lb - la), a - la * (b - a) / (lb - la)
+    else:
+        block, rest = acts[0][1] / max(layers or acts[0][0], 1), 0.0
+    total = layers or sum(pipe.shares.blocks)
+    found = pipeline_peak(
+        pipe.shares,
+        shards,
+        schedule=pipe.schedule,
+        microbatches=pipe.microbatches,
+        tp=tp,
+        block_activations=block,
+        rest_activations=rest,
+        token_transient=by_tokens,
+        unit_transient=by_params,
+        batch=pipe.batch,
+        seq=pipe.seq,
+        sequence_parallel=tp > 1,
+        compute_dtype=pipe.compute_dtype,
+        optimizer=optimizer,
+        offload=offload,
+    )
+    busiest = found.gathered_bytes.index(max(found.gathered_bytes))
+    grad_numel = found.grad_numel[busiest]
+    comm = {
+        "fsdp_all_gather": ring_bytes(found.gathered_bytes[busiest], shard),  # gathered once: no reshard under PP
+        "fsdp_reduce_scatter": ring_bytes(4 * grad_numel, shard),  # fp32, once per step
+        "hsdp_all_reduce": ring_bytes(4 * grad_numel, rep, 2),
+        "tp": ring_bytes(extrapolate(tp_comm, layers) * found.most_blocks / total, tp),
+        "pp_p2p": p2p_bytes(
+            pipe.shares, batch=pipe.batch, seq=pipe.seq, tp=tp, sequence_parallel=tp > 1, dtype=pipe.compute_dtype
+        ),
+    }
+    if offload:
+        held = steady_bytes({f: shards[f] for f in pipe.shares.params[busiest] if f in shards}, optimizer)
+        comm["offload_host_copies"] = held[0] + held[1]
+    return Candidate(
+        mesh=mesh,
+        activation_checkpointing=ac,
+        offload=offload,
+        peak_bytes=found.peak_bytes,
+        activations_bytes=found.activations_bytes,
+        params_bytes=found.params_bytes,
+        grads_bytes=found.grads_bytes,
+        optimizer_bytes=found.optimizer_bytes,
+        comm_bytes=comm,
+        extrapolated=len(measured.traces) > 1,
+        schedule=pipe.schedule,
+        microbatches=pipe.microbatches,
+        peak_stage=found.stage,
+    )
+
+
+UNIT_TRANSIENTS = ("all_gather_buffers", "reduce_scatter_buffers", "unsharded_grads")
+
+
+@dataclass(frozen=True)
+class Pipe:
+    """What every pipeline candidate of one size shares: the split, the
+    schedule and its micro-batches, the step's batch and sequence, and the
+    units' compute dtype."""
+
+    shares: StageShares
+    schedule: str
+    microbatches: int
+    batch: int
+    seq: int
+    compute_dtype: torch.dtype | None
+
+
+def pipes(
+    build: Callable[[int | None], nn.Module],
+    pp_sizes: Sequence[int],
+    schedule: str,
+    microbatches: int,
+    batch: int,
+    seq: int,
+    policy: Any,
+    skipped: list[str],
+) -> tuple[dict[int, Pipe], bool]:
+    """The split of the whole model for each pipeline size that can run
+    (the others listed in ``skipped`` with why), and whether the model is a
+    Hugging Face one (its stages cannot run sequence parallelism)."""
+    from ..manager import _is_hugging_face
+
+    out: dict[int, Pipe] = {}
+    if not pp_sizes:
+        return out, False
+    model = build(None)
+    for pp in sorted(set(pp_sizes)):
+        if batch % microbatches:
+            skipped.append(f"pp={pp}: --batch {batch} does not split into {microbatches} micro-batches")
+            continue
+        problem = microbatch_problem(schedule, microbatches, pp, pp)
+        if problem is not None:
+            skipped.append(
+                f"pp={pp}: {problem} (--fit gives each micro-batch one sequence of --batch {batch} unless "
+                "--microbatches is given: raise --batch)"
+            )
+            continue
+        try:
+            shares = stage_shares(model, pp, schedule)
+        except PlanningError as e:
+            skipped.append(f"pp={pp}: {_one_line(e)}")
+            continue
+        out[pp] = Pipe(shares, schedule, microbatches, batch, seq, None if policy is None else policy.param_dtype)
+    return out, _is_hugging_face(model)

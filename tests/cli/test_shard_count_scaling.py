@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from fsdptx.cli._fit import REFERENCE_SHARDS, shard_points, trace_at
+from fsdptx.cli._fit_measure import REFERENCE_SHARDS, shard_points, trace_at
 from fsdptx.cli._scaling import at_shard_count
 from fsdptx.cli._trace import Collective, Sample, Trace
 

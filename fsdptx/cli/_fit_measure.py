@@ -1,0 +1,156 @@
+"""The traced steps ``plan --fit`` derives its candidates from: one
+(``tp``, ``cp``, checkpointing, replicated or not) setting traced at a few
+FSDP shard counts and block counts, and what any other shard count's step
+is from them (:mod:`fsdptx.cli._scaling`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..plan._plan import Plan
+from ._memory import disable_kv_cache
+from ._report import ParamShard
+from ._scaling import at_shard_count
+from ._trace import Trace
+
+__all__ = [
+    "REFERENCE_SHARDS",
+    "Measured",
+    "extrapolate",
+    "measure",
+    "ring_bytes",
+    "shard_points",
+    "shards_for",
+    "trace_at",
+    "trace_mesh",
+    "trace_moe",
+]
+
+REFERENCE_SHARDS = (2, 4)
+"""FSDP shard counts traced to stand for every larger one: each sample of a
+step is a fixed part plus a part that goes as one over the shard count
+(:func:`fsdptx.cli._scaling.at_shard_count`), and these two traces give
+both. Smaller shard counts are traced themselves (one shard takes FSDP2's
+copy path instead of collectives, so it is a step of its own)."""
+
+
+def shard_points(needed: Iterable[int]) -> tuple[int, ...]:
+    """The shard counts to trace for candidates at ``needed`` shard counts:
+    each one up to ``REFERENCE_SHARDS[-1]`` itself, and the reference pair
+    for any larger one."""
+    needed = set(needed)
+    points = {s for s in needed if s <= REFERENCE_SHARDS[-1]}
+    if any(s > REFERENCE_SHARDS[-1] for s in needed):
+        points.update(REFERENCE_SHARDS)
+    return tuple(sorted(points))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The traces of one (tp, checkpointing, replicated or not) setting:
+    per traced block count, the traces by FSDP shard count and the shard
+    function of the traced model."""
+
+    traces: tuple[tuple[int, Mapping[int, Trace], Callable[[int], dict[str, ParamShard]]], ...]
+
+
+def trace_at(points: Mapping[int, Trace], shards: int) -> Trace:
+    """The step at ``shards`` FSDP ranks: traced, or from the reference pair."""
+    if shards in points:
+        return points[shards]
+    a, b = REFERENCE_SHARDS
+    return at_shard_count(points[a], a, points[b], b, shards)
+
+
+def ring_bytes(nbytes: float, n: int, factor: int = 1) -> int:
+    return int(factor * nbytes * (n - 1) / n) if n > 1 else 0
+
+
+def extrapolate(values: Sequence[tuple[int, float]], layers: int) -> int:
+    if len(values) == 1:
+        return int(values[0][1])
+    (la, a), (lb, b) = values
+    return int(round(b + (layers - lb) * (b - a) / (lb - la)))
+
+
+def shards_for(model: nn.Module, plan: Plan, dims: Any, ep: int = 1) -> Callable[[int], dict[str, ParamShard]]:
+    """Rank 0's shards of ``model`` (TP applied) for any FSDP shard count.
+
+    With ``ep`` > 1 the experts (the plan's units on the MoE mesh) are
+    split across ``ep`` and FSDP-sharded over the rest of the shard and TP
+    ranks, as :attr:`Candidate.moe_mesh` lays them out."""
+    from ..plan.transforms import expert_parallel
+    from ._common import param_shards
+
+    split = expert_parallel(model, plan) if ep > 1 else plan
+    if split.expert_parallel is not None:
+        uneven = [f"{m} ({n} experts)" for m, n in zip(split.expert_parallel.modules, split.expert_parallel.num_experts) if n % ep]
+        if uneven:
+            raise ValueError(f"--ep {ep} does not divide the expert count of {', '.join(uneven[:3])}")
+
+    def at(dp_shard: int) -> dict[str, ParamShard]:
+        moe = (dp_shard * dims.tp // ep, ep) if ep > 1 else None
+        return param_shards(model, split, dataclasses.replace(dims, dp_shard=dp_shard), fsdp_applied=False, moe=moe)
+
+    return at
+
+
+def trace_mesh(tp: int, shards: int, replicated: bool, cp: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The fake mesh a reference step is traced on: ``shards`` FSDP ranks,
+    ``cp`` and ``tp`` ranks, and a replicate dim of 2 for HSDP meshes (what
+    HSDP adds, its all-reduce and the buffers it holds, does not depend on
+    how many replicas there are)."""
+    dims = [("dp_replicate", 2)] if replicated else []
+    dims += [("dp_shard", shards)] + ([("cp", cp)] if cp > 1 else []) + ([("tp", tp)] if tp > 1 else [])
+    return tuple(size for _, size in dims), tuple(name for name, _ in dims)
+
+
+def trace_moe(
+    tp: int, shards: int, replicated: bool, ep: int
+) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """Under ``--ep``, the experts as units of their own on a MoE mesh of
+    the same ranks without ``ep`` (whole experts, split by ``ep`` from shapes)."""
+    if ep == 1:
+        return None
+    if replicated:
+        return (2, shards * tp), ("dp_replicate", "ep_shard")
+    return (shards * tp,), ("ep_shard",)
+
+
+def measure(
+    build: Callable[[int | None], nn.Module],
+    counts: Sequence[int | None],
+    tp: int,
+    points: Sequence[int],
+    replicated: bool,
+    setting: Any,
+    ac: str | bool,
+    batch_seq: tuple[int, int],
+    ep: int,
+    cp: int = 1,
+) -> Measured:
+    """Trace the step of one setting at every block count and shard count."""
+    from ._run import dry_run
+
+    traced = []
+    for n in counts:
+        by_shards: dict[int, Trace] = {}
+        shards_at = None
+        for shards in points:
+            model = build(n)
+            if ac:
+                disable_kv_cache(model)  # as the dry run and a training run with checkpointing do
+            shape, names = trace_mesh(tp, shards, replicated, cp)
+            run = dry_run(model, shape, names, setting, batch_seq=batch_seq, moe=trace_moe(tp, shards, replicated, ep))
+            if run.trace is None:  # dry_run traces whenever batch_seq is given
+                raise RuntimeError(f"no trace for tp={tp}, activation_checkpointing={ac!r}")
+            by_shards[shards] = run.trace
+            shards_at = shards_for(model, run.plan, run.dims, ep)  # the same plan at every shard count
+        assert shards_at is not None  # points is never empty: every group has a mesh
+        traced.append((n or 0, by_shards, shards_at))
+    return Measured(tuple(traced))
