@@ -24,11 +24,10 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from ..core._meshes import KNOWN_DIMS, MOE_KNOWN_DIMS
 from ..core._names import join_names
 from ..core._sizes import format_bytes
 from ..plan._json import plan_document
@@ -37,26 +36,19 @@ from ..plan.transforms import mark_reduction, shard_across_blocks, shard_by_dtyp
 from ..plan._format import format_requests, fp32_input_casts
 from ..plan._plan import Plan
 from ..plan._types import reshards_after_forward
-from ..presets import PRESETS
-from ._common import UsageError, _DTYPES, _dtype, _one_line, _rows, mp_policy
-from ._diff import PlanFileError, add_diff_parser, run_diff
-from ._cp import ROTATE_METHODS, cp_seq_error
+from ._common import UsageError, _dtype, _one_line, _rows, mp_policy
+from ._diff import PlanFileError, run_diff
+from ._cp import cp_seq_error
 from ._ep import check_routing_skew
-from ._fit_dims import CP_MIN_SEQ, CP_SIZES, PP_SIZES
-from ._hardware import DEFAULT_GPU, DEFAULT_GPUS_PER_NODE, DEFAULT_MFU, GPUS
 from ._memory import disable_kv_cache, memory_json, memory_text
-from ._pipeline import add_pipeline_arguments, pipeline_config, run_pipeline_plan
+from ._pipeline import pipeline_config, run_pipeline_plan
 from ._report import OPTIMIZER_STATES, PAD_FLAG_RATIO, MemoryPlan, UnitTraffic, memory_plan, step_traffic
+from ._options import build_parser
 from ._run import DryRun, _batch_seq, build_model, dry_run, parse_mesh, parse_moe_mesh
 
 # The pipeline of plain ``fsdptx.plan`` (no manager): kept for callers that
 # compare against it; the CLI itself runs the manager's pipeline.
 DEFAULT_PIPELINE = compose(shard_by_dtype, shard_across_blocks, mark_reduction)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
 
 
 def report(name: str, shape: Sequence[int], names: Sequence[str], run: DryRun, optimizer: str) -> dict[str, Any]:
@@ -353,128 +345,6 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
     return out + memory_text(m) if traced else out
 
 
-def _parser() -> _Parser:
-    parser = _Parser(prog="python -m fsdptx", description="fsdptx command line")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("plan", help="dry-run FSDP2Manager on a meta-device model and a fake mesh")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", help=f"built-in model: {', '.join(sorted(PRESETS))} (default mixed)")
-    src.add_argument("--factory", help="package.module:function returning an nn.Module")
-    src.add_argument("--hf", metavar="MODEL_TYPE|CONFIG", help="a transformers model type or a local config.json")
-    p.add_argument("--hf-config", action="append", default=[], metavar="K=V,...", help="config overrides for --hf")
-    p.add_argument(
-        "--dtype", choices=list(_DTYPES), help="storage dtype of an --hf model, as loading gives it (default bf16)"
-    )
-    p.add_argument("--layers", type=int, help="blocks for a preset (default 16)")
-    p.add_argument(
-        "--mesh",
-        default="dp=8",
-        help=f"fake mesh, e.g. dp=8, dp=2,tp=4, dp_replicate=2,dp_shard=4 (axes: {', '.join(KNOWN_DIMS)})",
-    )
-    p.add_argument(
-        "--moe-mesh",
-        metavar="NAME=SIZE,...",
-        help="the experts' view of the same ranks, e.g. dp_shard=2,ep=2: expert modules shard over its "
-        "data-parallel axes and, with ep > 1, are split by expert across ep (axes: "
-        f"{', '.join(MOE_KNOWN_DIMS)})",
-    )
-    p.add_argument("--sp", action="store_true", help="sequence parallelism (with a tp axis)")
-    p.add_argument(
-        "--loss-parallel", action="store_true", help="keep the head's logits vocabulary-sharded (with a tp axis)"
-    )
-    p.add_argument(
-        "--blocks", metavar="NAMES", help="the model's blocks: class names or globs, comma-separated (default: declared or found by shape)"
-    )
-    p.add_argument("--ac", choices=["full", "selective"], help="activation checkpointing of the blocks")
-    p.add_argument(
-        "--mp",
-        choices=[*_DTYPES, "none"],
-        default="bf16",
-        help="compute dtype of the policy; none disables mixed precision (default bf16)",
-    )
-    p.add_argument(
-        "--optimizer",
-        choices=list(OPTIMIZER_STATES),
-        default="adamw",
-        help="optimizer state to count: adamw 2 fp32 states, sgd (momentum) 1, none 0 (default adamw)",
-    )
-    p.add_argument(
-        "--batch",
-        type=int,
-        help="sequences per data-parallel rank: trace one training step for activations and the peak "
-        "(default 1 when --seq, --html or --fit is given; without any of them nothing is traced)",
-    )
-    p.add_argument("--seq", type=int, help="tokens per sequence of the traced step (default 2048)")
-    p.add_argument(
-        "--offload", action="store_true", help="CPUOffloadPolicy: sharded params, grads and optimizer state on the host"
-    )
-    p.add_argument(
-        "--fit",
-        metavar="GPUSxMEMORY",
-        help="list the meshes, checkpointing and offload settings whose traced peak fits, e.g. 64x80GiB "
-        "(ignores --mesh/--sp/--ac/--offload; traces --batch/--seq)",
-    )
-    p.add_argument(
-        "--ep",
-        type=int,
-        default=1,
-        metavar="N",
-        help="with --fit: split the experts across N ranks in every candidate (MoE mesh "
-        "[dp_replicate x] ep_shard x ep, ep taken from dp_shard x tp; default 1: experts in their blocks)",
-    )
-    fit = p.add_argument_group(
-        "--fit's step-time model", "rank what fits by a predicted step's throughput: a ranking aid, not a measurement"
-    )
-    fit.add_argument(
-        "--headroom",
-        metavar="BYTES|PERCENT",
-        help="memory per GPU left out of --fit's budget (CUDA context, NCCL buffers, fragmentation), "
-        "e.g. 4GiB or 10%% (default 10%%)",
-    )
-    fit.add_argument("--gpu", help=f"hardware preset: {', '.join(sorted(GPUS))} (default {DEFAULT_GPU})")
-    fit.add_argument("--flops", type=float, metavar="TFLOPS", help="dense bf16 peak per GPU in TFLOP/s (overrides --gpu's)")
-    fit.add_argument("--nvlink", type=float, metavar="GBPS", help="NVLink GB/s per GPU and direction (overrides --gpu's)")
-    fit.add_argument(
-        "--network", type=float, metavar="GBPS", help="inter-node network GB/s per GPU and direction (overrides --gpu's)"
-    )
-    fit.add_argument("--pcie", type=float, metavar="GBPS", help="host link GB/s per GPU and direction (overrides --gpu's)")
-    fit.add_argument(
-        "--gpus-per-node", type=int, metavar="N", help=f"GPUs sharing a node's NVLink (default {DEFAULT_GPUS_PER_NODE})"
-    )
-    fit.add_argument("--mfu", type=float, help=f"share of the peak the step reaches, in (0, 1] (default {DEFAULT_MFU:g})")
-    fit.add_argument("--top", type=int, metavar="K", help="list only the K best of what fits (default all)")
-    fit.add_argument(
-        "--fit-cp",
-        metavar="SIZES",
-        help=f"context-parallel sizes --fit tries besides 1: auto ({', '.join(map(str, CP_SIZES))} from --seq "
-        f"{CP_MIN_SEQ} on, none below), 1 (none) or a list such as 2,4",
-    )
-    fit.add_argument(
-        "--fit-pp",
-        metavar="SIZES",
-        help=f"pipeline sizes --fit tries besides 1, modelled from the traced blocks: auto "
-        f"({', '.join(map(str, PP_SIZES))}), 1 (none) or a list such as 2,4; with --schedule 1F1B or GPipe "
-        "(default 1F1B) and --microbatches (default --batch: one sequence each)",
-    )
-    p.add_argument(
-        "--cp-rotate",
-        choices=list(ROTATE_METHODS),
-        help="with a cp axis > 1 in --mesh and a traced step: how ring attention rotates K/V, as torch's "
-        "set_rotate_method (default allgather, torch's): sizes its modelled buffers",
-    )
-    p.add_argument(
-        "--routing-skew",
-        metavar="F",
-        help="with an ep axis > 1 in --moe-mesh and a traced step: the routing the experts' token dispatch is "
-        "traced under, the busiest expert receiving F (>= 1) times the mean tokens (default 1: balanced)",
-    )
-    p.add_argument("--html", metavar="FILE", help="write a self-contained picture of the traced step to FILE")
-    p.add_argument("--json", action="store_true", help="print the same report as JSON (the plan under \"plan\")")
-    add_pipeline_arguments(p)
-    add_diff_parser(sub)
-    return parser
-
-
 _FIT_ONLY = ("headroom", "gpu", "flops", "nvlink", "network", "pcie", "gpus_per_node", "mfu", "top", "fit_cp", "fit_pp")
 
 
@@ -620,7 +490,7 @@ def _routing_skew(
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, or 2 with one line on stderr)."""
     try:
-        args = _parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
     except UsageError as e:
         print(f"fsdptx: error: {_one_line(e)}", file=sys.stderr)
         return 2
