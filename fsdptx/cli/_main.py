@@ -322,7 +322,7 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
     rows = [
         ("parameters", params),
         ("gradients", format_bytes(m["grads_bytes"])),
-        (f"optimizer ({m['optimizer']}, {states} fp32 states)", format_bytes(m["optimizer_bytes"])),
+        (f"optimizer ({m['optimizer']}, {states} states in the parameters' dtype)", format_bytes(m["optimizer_bytes"])),
     ]
     largest = m["largest_gathered_unit"]
     if largest is not None:

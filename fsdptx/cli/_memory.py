@@ -186,7 +186,7 @@ def estimate_memory(
         model: the model on the meta device.
         batch: sequences per data-parallel rank.
         seq: tokens per sequence.
-        optimizer: ``adamw`` (2 fp32 states), ``sgd`` (1) or ``none``.
+        optimizer: ``adamw`` (2 states in the parameters' storage dtype), ``sgd`` (1) or ``none``.
         cp_rotate: how ring attention rotates K/V with a ``cp`` dim > 1,
             as torch's ``set_rotate_method``: ``allgather`` (its default)
             or ``alltoall``. A CP step is traced at ``seq / cp`` tokens and

@@ -1,5 +1,5 @@
 """``python -m fsdptx``'s command line: its subcommands and options, with
-the help each option prints. Parsing errors are :class:`UsageError`\ s, so
+the help each option prints. Parsing errors are :class:`UsageError` errors, so
 the command answers them in one line with exit code 2."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def build_parser() -> _Parser:
         "--optimizer",
         choices=list(OPTIMIZER_STATES),
         default="adamw",
-        help="optimizer state to count: adamw 2 fp32 states, sgd (momentum) 1, none 0 (default adamw)",
+        help="optimizer state to count: adamw 2 states, sgd (momentum) 1, none 0, each in the parameters' storage dtype (default adamw)",
     )
     p.add_argument(
         "--batch",

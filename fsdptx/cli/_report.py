@@ -78,9 +78,11 @@ def step_traffic(plan: Plan) -> tuple[UnitTraffic, ...]:
 # --------------------------------------------------------------------------- memory plan
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "sgd": 1, "none": 0}
-"""fp32 state tensors per trainable parameter element: AdamW keeps two
-(``exp_avg``, ``exp_avg_sq``), SGD with momentum one (plain SGD keeps none:
-use ``"none"``)."""
+"""State tensors per trainable parameter element, each in the parameter's
+storage dtype (torch's AdamW and SGD create them with ``zeros_like`` of the
+sharded parameter: fp32 for fp32 master weights, bf16 for bf16-stored
+ones): AdamW keeps two (``exp_avg``, ``exp_avg_sq``), SGD with momentum one
+(plain SGD keeps none: use ``"none"``)."""
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,7 @@ def memory_plan(
         for s in shards.values()
     )
     grads = sum(s.local_numel * s.dtype.itemsize for s in shards.values() if s.requires_grad)
-    optimizer_bytes = OPTIMIZER_STATES[optimizer] * 4 * sum(s.local_numel for s in shards.values() if s.requires_grad)
+    optimizer_bytes = OPTIMIZER_STATES[optimizer] * grads  # in each shard's storage dtype, as zeros_like makes them
 
     resh = [reshards_after_forward(u) for u in plan.units]
     base = sum(m.gathered for m, r in zip(units, resh) if not r)

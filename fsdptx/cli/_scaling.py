@@ -36,7 +36,7 @@ def steady_bytes(shards: Mapping[str, ParamShard], optimizer: str) -> tuple[int,
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
     params = sum(s.local_numel * s.dtype.itemsize for s in shards.values())
     grads = sum(s.local_numel * s.dtype.itemsize for s in shards.values() if s.requires_grad)
-    states = OPTIMIZER_STATES[optimizer] * 4 * sum(s.local_numel for s in shards.values() if s.requires_grad)
+    states = OPTIMIZER_STATES[optimizer] * grads  # in each shard's storage dtype, as zeros_like makes them
     return params, grads, states
 
 

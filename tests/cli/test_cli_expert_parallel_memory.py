@@ -8,9 +8,8 @@ models (``test_memory_plan.py``) and pipeline stages
 (``test_cli_pipeline_memory.py``).
 
 The model is fp32 (master weights) with the default bf16 compute policy:
-the dry run counts AdamW's two states in fp32 (``--optimizer adamw``, "2
-fp32 states"), which is what torch's AdamW allocates for fp32 parameters
-(for bf16-stored ones it allocates bf16 states).
+AdamW's two states are fp32, as torch allocates them for fp32 parameters
+(the dry run counts them in each parameter's storage dtype).
 """
 
 from __future__ import annotations

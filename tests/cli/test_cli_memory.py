@@ -100,10 +100,19 @@ def test_gradients_mirror_the_sharded_parameters(capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZER_STATES))
-def test_optimizer_state_is_fp32_states_per_sharded_element(capsys: pytest.CaptureFixture[str], optimizer: str) -> None:
+def test_optimizer_state_is_its_states_per_sharded_element_in_the_parameters_dtype(
+    capsys: pytest.CaptureFixture[str], optimizer: str
+) -> None:
+    """torch's optimizers make their state with ``zeros_like`` of each
+    sharded parameter: fp32 master weights get fp32 states, bf16-stored
+    weights bf16 ones (counting fp32 for those doubled the state)."""
     data = run_json(capsys, "--preset", "llama", "--layers", "1", "--optimizer", optimizer)
     local_elements = data["memory"]["params_bytes"] // 4  # llama stores fp32
     assert data["memory"]["optimizer_bytes"] == OPTIMIZER_STATES[optimizer] * 4 * local_elements
+    tiny = "num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,vocab_size=256"
+    data = run_json(capsys, "--hf", "llama", "--hf-config", tiny, "--dtype", "bf16", "--optimizer", optimizer)
+    local_elements = data["memory"]["params_bytes"] // 2
+    assert data["memory"]["optimizer_bytes"] == OPTIMIZER_STATES[optimizer] * 2 * local_elements
 
 
 def test_adamw_is_the_default_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,7 +139,7 @@ def test_text_memory_rows_show_the_json_figures(capsys: pytest.CaptureFixture[st
     assert main(["plan", "--preset", "llama", "--layers", "2"]) == 0
     out, _ = capsys.readouterr()
     assert f"({m['params_bytes']:,} B = " in out
-    rows = ("parameters", "gradients", "optimizer (adamw, 2 fp32 states)", "largest all-gathered unit")
+    rows = ("parameters", "gradients", "optimizer (adamw, 2 states in the parameters' dtype)", "largest all-gathered unit")
     for row in (*rows, "peak forward", "peak backward"):
         assert f"\n  {row}" in out, row
 
