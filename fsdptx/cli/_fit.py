@@ -27,7 +27,8 @@ compare them), at a fraction of the traces:
   the same step without them.
 - A model with more than :data:`TRACE_LAYERS` blocks (a preset or ``--hf``
   model: their block count can be set) is traced with ``TRACE_LAYERS - 1``
-  and ``TRACE_LAYERS`` blocks and the peak, activations and TP traffic
+  and ``TRACE_LAYERS`` blocks (more when its stack opens with blocks of
+  another kind: :func:`trace_counts`) and the peak, activations and TP traffic
   extrapolated linearly: each further block adds one more block's
   activations, parameters and collectives. Fewer blocks: traced whole, exact.
 
@@ -58,6 +59,8 @@ from typing import Any
 
 from torch import nn
 
+from ..core._tree import get_module_from_path
+from ..model._index import discover_blocks
 from ..plan._plan import Plan
 from ._fit_candidate import AC_MODES, DEFAULT_HEADROOM, Candidate, FitResult, parse_fit, parse_headroom, rank
 from ._fit_dims import cp_ring_bytes, evaluate_pipeline, pipes
@@ -255,10 +258,7 @@ def search(
     from ._cp import cp_seq_error
     from ._run import dry_run
 
-    if layers is not None and layers > TRACE_LAYERS:
-        counts: tuple[int | None, ...] = (TRACE_LAYERS - 1, TRACE_LAYERS)
-    else:
-        counts = (layers,)
+    counts = trace_counts(build(None), layers)
     candidates: list[Candidate] = []
     skipped: list[str] = []
     policy = config().mp_policy
@@ -343,8 +343,35 @@ def search(
                         for c in evaluated
                     ]
     return FitResult(
-        gpus, budget, headroom, hardware, tuple(candidates), rank(candidates, budget - headroom), tuple(skipped)
+        gpus,
+        budget,
+        headroom,
+        hardware,
+        tuple(candidates),
+        rank(candidates, budget - headroom),
+        tuple(skipped),
+        tuple(n or 0 for n in counts),
     )
+
+
+def trace_counts(model: nn.Module, layers: int | None) -> tuple[int | None, ...]:
+    """The block counts the search traces ``model`` at: all of them when it
+    has at most :data:`TRACE_LAYERS` (or they cannot be changed), else two
+    counts whose models end in one and two blocks of the stack's repeating
+    kind. A stack that opens with blocks of another kind (DeepSeek-V3's
+    dense layers before its MoE ones) keeps them all in both, so the
+    difference of the two traces is one block of the kind the rest repeats."""
+    if layers is None or layers <= TRACE_LAYERS:
+        return (layers,)
+    blocks = [get_module_from_path(model, fqn) for fqn in discover_blocks(model)]
+
+    def kind(block: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        return tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+
+    last = kind(blocks[-1]) if blocks else ()
+    first = next((i for i, b in enumerate(blocks) if all(kind(x) == last for x in blocks[i:])), 0)
+    lead = max(first + 2, TRACE_LAYERS)
+    return (lead - 1, lead) if lead < layers else (layers,)
 
 
 def _mesh_text(mesh: Mapping[str, int]) -> str:

@@ -203,6 +203,7 @@ class FitResult:
     candidates: tuple[Candidate, ...]
     fitting: tuple[Candidate, ...]
     skipped: tuple[str, ...]
+    traced_blocks: tuple[int, ...] = ()  # the block counts the steps were traced at
 
 
 def rank(candidates: Sequence[Candidate], budget: int) -> tuple[Candidate, ...]:

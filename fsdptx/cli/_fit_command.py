@@ -16,7 +16,7 @@ from torch import nn
 from ..core._sizes import format_bytes
 from ._common import UsageError, mp_policy
 from ._fit_dims import CP_MIN_SEQ, CP_SIZES, PP_SIZES, parse_sizes
-from ._fit import DEFAULT_HEADROOM, TRACE_LAYERS, matmul_params, parse_fit, parse_headroom, search
+from ._fit import DEFAULT_HEADROOM, matmul_params, parse_fit, parse_headroom, search
 from ._hardware import DEFAULT_GPU, SELECTIVE_RECOMPUTE, hardware
 
 __all__ = ["TIME_MODEL", "run_fit"]
@@ -158,8 +158,8 @@ def run_fit(args: Any) -> str:
         )
     if any(c.extrapolated for c in result.candidates):
         lines.append(
-            f"(peaks, activations and TP traffic traced at {TRACE_LAYERS - 1} and {TRACE_LAYERS} blocks and "
-            "extrapolated linearly; parameters, gradients and optimizer state are exact)"
+            f"(peaks, activations and TP traffic traced at {result.traced_blocks[0]} and {result.traced_blocks[-1]} "
+            "blocks and extrapolated linearly; parameters, gradients and optimizer state are exact)"
         )
     return "\n".join(lines)
 

@@ -18,9 +18,9 @@ own split) then holds, per rank:
 - its blocks' activations for the micro-batches in flight
   (:func:`~fsdptx.plan._stages.in_flight_microbatches`), each micro-batch
   ``batch / microbatches`` sequences; the last stage also the head's;
-- the traced peak's transients: its temporaries (the loss's, an
-  operator's workspace) at one micro-batch, its collective buffers and
-  unsharded gradients (one unit's) as traced;
+- transients: the largest temporaries the traced step holds (the loss's,
+  an operator's workspace) scaled to one micro-batch, and the collective
+  buffers and unsharded gradients (one unit's) of its peak as traced;
 - the point-to-point buffers of every micro-batch's input and gradient;
 - on the last stage, the schedule's hold on each micro-batch's output and
   its loss gradient, outside the module (fp32 logits and their gradient,
@@ -197,7 +197,7 @@ def pipeline_peak(
         shards: rank 0's shard of every parameter at the candidate's mesh.
         block_activations: one block's activations at the whole ``batch``.
         rest_activations: the traced step's activations outside the blocks.
-        token_transient: the traced peak's temporaries at the whole ``batch``.
+        token_transient: the traced step's largest temporaries at the whole ``batch``.
         unit_transient: the traced peak's collective buffers and unsharded gradients.
         compute_dtype: the units' compute dtype (``None``: storage dtype).
 
