@@ -30,6 +30,7 @@ iteration's snapshots are the figures.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -38,13 +39,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdptx.core._torch_internals import own_propagation_fake_mode
 from fsdptx.hf import build_hf_model
 from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.testing import fake_mesh
+from tracker_recipe import tracked_two_steps
 
 __all__ = [
     "EP_CONFIG",
@@ -199,32 +200,9 @@ def recorded_split_sizes() -> Iterator[list[int]]:
 
 def tracked_steps(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> EpReference:
     """Two training iterations of the parallelized ``model`` under a plain
-    ``FSDPMemTracker``; the second's snapshots."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    tracker = FSDPMemTracker(model, optimizer)
-    tracker.track_inputs((tokens, labels))
-    with tracker:
-        for iteration in range(2):
-            at_start = tracker.get_tracker_snapshot()
-            logits = model(input_ids=tokens).logits
-            loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
-            del logits
-            before_backward = tracker.get_tracker_snapshot()
-            loss.backward()
-            after_backward = tracker.get_tracker_snapshot()
-            optimizer.step()
-            optimizer.zero_grad()
-            if iteration == 0:
-                tracker.reset_mod_stats()
-        peak = tracker.get_tracker_snapshot("peak")
-    (dev,) = peak
-    return EpReference(
-        params=at_start[dev]["Sharded Param"],
-        grads=after_backward[dev]["Sharded Grad"],
-        optimizer=at_start[dev]["OptState"],
-        activations=before_backward[dev]["Activation"],
-        peak=peak[dev]["Total"],
-    )
+    ``FSDPMemTracker`` (the dense recipe's); the second's snapshots."""
+    measured = tracked_two_steps(model, lambda t: model(input_ids=t).logits, tokens, labels)
+    return EpReference(**dataclasses.asdict(measured))
 
 
 def moe_meshes(dense: tuple[int, ...], dense_names: tuple[str, ...], moe: tuple[int, ...], moe_names: tuple[str, ...]) -> tuple[DeviceMesh, DeviceMesh]:

@@ -13,7 +13,7 @@ tracked fake mode, or its tensors are counted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import build_preset
 from fsdptx.testing import fake_mesh
 
-__all__ = ["Reference", "tracker_reference"]
+__all__ = ["Reference", "tracked_two_steps", "tracker_reference"]
 
 
 @dataclass(frozen=True)
@@ -49,25 +49,34 @@ def tracker_reference(
         FSDP2Manager(config, mesh).parallelize(model)
         with FakeTensorMode(allow_non_fake_inputs=True), own_propagation_fake_mode():
             model.to_empty(device="cpu")
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
             tokens = torch.randint(0, 32000, (1, seq))
             labels = torch.randint(0, 32000, (1, seq))
-            tracker = FSDPMemTracker(model, optimizer)
-            tracker.track_inputs((tokens, labels))
-            with tracker:
-                for iteration in range(2):
-                    at_start = tracker.get_tracker_snapshot()
-                    logits = model(tokens)
-                    loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
-                    del logits
-                    before_backward = tracker.get_tracker_snapshot()
-                    loss.backward()
-                    after_backward = tracker.get_tracker_snapshot()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    if iteration == 0:
-                        tracker.reset_mod_stats()
-            peak = tracker.get_tracker_snapshot("peak")
+            return tracked_two_steps(model, model, tokens, labels)
+
+
+def tracked_two_steps(
+    model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor
+) -> Reference:
+    """Two training iterations of the parallelized ``model`` (logits from
+    ``forward(tokens)``) under a plain ``FSDPMemTracker``; the second's
+    snapshots, AdamW's state having been made by the first."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    tracker = FSDPMemTracker(model, optimizer)
+    tracker.track_inputs((tokens, labels))
+    with tracker:
+        for iteration in range(2):
+            at_start = tracker.get_tracker_snapshot()
+            logits = forward(tokens)
+            loss = nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+            del logits
+            before_backward = tracker.get_tracker_snapshot()
+            loss.backward()
+            after_backward = tracker.get_tracker_snapshot()
+            optimizer.step()
+            optimizer.zero_grad()
+            if iteration == 0:
+                tracker.reset_mod_stats()
+        peak = tracker.get_tracker_snapshot("peak")
     (dev,) = peak
     return Reference(
         params=at_start[dev]["Sharded Param"],
