@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..core._meshes import ep_mesh, ep_size, moe_gradient_divide_factor
+from ..model._index import STAGE_MODEL_ATTRIBUTE, ModelNames
 from ..hf._expert_parallel import hf_dispatches_experts, install_hf_expert_dispatch
 from ..plan.transforms import EP_HOOK, uneven_experts
 from ..plan._plan import Plan
@@ -61,7 +62,9 @@ def expert_parallel_problems(
 
     A MoE mesh with ``ep`` > 1 needs the plan's EP request (else each EP
     rank would hold every expert, train it on its own tokens, and never
-    reduce its gradients with the other EP ranks'), and the request needs
+    reduce its gradients with the other EP ranks'), but on a pipeline stage
+    holding no experts (the dense first blocks of a DeepSeek-V3), and the
+    request needs
     such a mesh. Each expert count must divide by ``ep``; each expert
     module must still have the planned parameters and expert count, hold
     no DTensor yet, not be split by tensor parallelism too, belong to units
@@ -72,7 +75,8 @@ def expert_parallel_problems(
     size = ep_size(moe_mesh)
     names = dict(zip(moe_mesh.mesh_dim_names or (), moe_mesh.shape)) if moe_mesh is not None else {}
     if ep is None:
-        if size > 1:
+        dense_stage = not plan.expert_modules and isinstance(getattr(model, STAGE_MODEL_ATTRIBUTE, None), ModelNames)
+        if size > 1 and not dense_stage:  # a pipeline stage of dense blocks has no experts to split
             return [
                 f"moe_mesh {names} has ep={size}, but the plan does not split experts across it: each ep rank "
                 "would train every expert on its own tokens and never reduce their gradients across ep; add "

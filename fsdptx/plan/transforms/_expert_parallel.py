@@ -19,7 +19,7 @@ from collections.abc import Collection
 from torch import nn
 
 from ...hf._expert_parallel import hf_dispatches_experts
-from ...model._index import PlanningError
+from ...model._index import STAGE_MODEL_ATTRIBUTE, ModelNames, PlanningError
 from .._compose import check_transform_args, model_index
 from .._kinds import unit_blind
 from .._plan import Plan
@@ -99,6 +99,8 @@ def expert_parallel(
     modules = _experts(model, index, expert_modules, "expert_parallel") if expert_modules is not None else plan.expert_modules
     if not modules:
         modules = _experts(model, index, None, "expert_parallel")
+    if not modules and isinstance(getattr(index.root, STAGE_MODEL_ATTRIBUTE, None), ModelNames):
+        return plan  # a pipeline stage whose blocks have no experts: other stages split theirs
     if not modules:
         raise PlanningError(
             "expert_parallel: no expert modules: pass expert_modules=[globs], plan shard_by_dtype(expert_modules=...) "

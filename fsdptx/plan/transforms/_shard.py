@@ -17,7 +17,14 @@ from torch import nn
 
 from ...core._names import Names, name_tokens, natural_key
 from ...hf import hf_fp32_compute_tokens
-from ...model._index import ModelIndex, PlanningError, empty_containers_note, resolve_blocks
+from ...model._index import (
+    STAGE_MODEL_ATTRIBUTE,
+    ModelIndex,
+    ModelNames,
+    PlanningError,
+    empty_containers_note,
+    resolve_blocks,
+)
 from .._compose import _resolve, check_reshard, check_transform_args, model_index
 from .._kinds import request_transform
 from .._plan import Plan
@@ -195,8 +202,11 @@ def _experts(model: nn.Module, index: ModelIndex, globs: Names | None, where: st
         else name_tokens(getattr(model, "_fsdptx_expert_modules", None), "_fsdptx_expert_modules")
     )
     found: list[str] = []
+    whole = getattr(index.root, STAGE_MODEL_ATTRIBUTE, None)
     for g in patterns:
         matched = index.match(g)
+        if not matched and isinstance(whole, ModelNames) and whole.matches(g):
+            continue  # experts other pipeline stages hold (a dense-first stack's first stage)
         if not matched:
             raise PlanningError(f"{where}: expert module glob {g!r} matches no module of the model")
         found.extend(f for f in matched if f not in found)
