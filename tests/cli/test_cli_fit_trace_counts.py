@@ -11,30 +11,12 @@ import contextlib
 import io
 import json
 
+import hf_zoo
 from fsdptx.cli._fit import TRACE_LAYERS, trace_counts
 from fsdptx.cli._main import main
 from fsdptx.hf import build_hf_model
 
 TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
-TINY_DEEPSEEK = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "vocab_size": 256,
-    "head_dim": 8,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 16,
-    "v_head_dim": 16,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 16,
-    "moe_intermediate_size": 32,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "n_group": 1,
-    "topk_group": 1,
-}
 
 
 def test_a_uniform_stack_is_traced_at_two_and_three_blocks() -> None:
@@ -49,13 +31,13 @@ def test_a_stack_with_few_blocks_is_traced_whole() -> None:
 
 
 def test_leading_blocks_of_another_kind_are_kept_in_both_traced_models() -> None:
-    model = build_hf_model("deepseek_v3", {**TINY_DEEPSEEK, "num_hidden_layers": 12, "first_k_dense_replace": 3}, device="meta")
+    model = build_hf_model("deepseek_v3", {**hf_zoo.DEEPSEEK_V3, "num_hidden_layers": 12, "first_k_dense_replace": 3}, device="meta")
     assert trace_counts(model, 12) == (4, 5)  # 3 dense + 1 MoE, 3 dense + 2 MoE
     assert trace_counts(model, 5) == (5,)
 
 
 def test_a_dense_first_moe_model_fits_with_its_experts_split() -> None:
-    config = ",".join(f"{k}={v}" for k, v in {**TINY_DEEPSEEK, "num_hidden_layers": 6, "first_k_dense_replace": 3}.items())
+    config = ",".join(f"{k}={v}" for k, v in {**hf_zoo.DEEPSEEK_V3, "num_hidden_layers": 6, "first_k_dense_replace": 3}.items())
     out, err = io.StringIO(), io.StringIO()
     argv = ["plan", "--hf", "deepseek_v3", "--hf-config", config, "--seq", "64", "--ep", "2", "--fit", "4x8GiB", "--fit-pp", "1", "--json"]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

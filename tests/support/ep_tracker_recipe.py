@@ -240,8 +240,6 @@ def ep_tracker_reference(
     return replace(measured, received_rows=tuple(received))
 
 
-
-
 def ep_tracker_measured(
     rank: int,
     batch: int,

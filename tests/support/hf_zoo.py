@@ -62,28 +62,32 @@ def olmo2(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Modul
     return build_hf_model("olmo2", overrides, dtype=dtype, device=device)
 
 
+DEEPSEEK_V3: dict[str, object] = {
+    **_DENSE,
+    "head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
+"""DeepSeek-V3's tiny config: MLA attention, layer 0 dense, then MoEs of 4
+routed experts (top-2) and a shared expert."""
+
+
 def deepseek_v3(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """DeepSeek-V3: MLA attention (low-rank q and kv projections, which its
     TP plan leaves alone), layer 0 a dense MLP, layer 1 an MoE of 4 routed
     experts (top-2) and a shared expert. Not in :data:`ZOO`: the
     sequence-parallel tests use it for a plan that covers the MLPs only."""
-    overrides = {
-        **_DENSE,
-        "head_dim": 8,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 16,
-        "v_head_dim": 16,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 16,
-        "moe_intermediate_size": 32,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "n_group": 1,
-        "topk_group": 1,
-    }
-    return build_hf_model("deepseek_v3", overrides, dtype=dtype, device=device)
+    return build_hf_model("deepseek_v3", DEEPSEEK_V3, dtype=dtype, device=device)
 
 
 def jamba(device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
