@@ -54,7 +54,9 @@ NVLink byte and a byte hidden behind compute like an exposed one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -64,9 +66,10 @@ from ..model._index import discover_blocks
 from ..plan._plan import Plan
 from ._fit_candidate import AC_MODES, DEFAULT_HEADROOM, Candidate, FitResult, parse_fit, parse_headroom, rank
 from ._fit_dims import cp_ring_bytes, evaluate_pipeline, pipes
-from ._fit_measure import Measured, extrapolate, measure, ring_bytes, shard_points, shards_for, trace_at, trace_mesh, trace_moe
+from ._fit_measure import Measured, extrapolate, measure, ring_bytes, shard_points, shards_for, trace_mesh, trace_moe
 from ._hardware import Hardware, predict, step_flops
-from ._scaling import rescale, steady_bytes, traced_steady
+from ._scaling import steady_bytes
+from ._workers import run_tasks
 from ._report import ParamShard, ceil_div, step_traffic
 
 __all__ = [
@@ -141,14 +144,12 @@ def evaluate(
     acts: list[tuple[int, float]] = []
     tp_comm: list[tuple[int, float]] = []
     ring = None
-    for n_layers, points, shards_at in measured.traces:
-        trace = trace_at(points, shard)
-        ring = trace.ring if trace.ring is not None else ring
-        target = (0, 0, 0) if offload else steady_bytes(shards_at(shard * cp), optimizer)
-        peak, _, _ = rescale(trace, traced=traced_steady(trace), target=target)
-        peaks.append((n_layers, peak))
-        acts.append((n_layers, trace.activations))
-        tp_comm.append((n_layers, sum(c.bytes for c in trace.collectives if c.source == "tp")))
+    for traced in measured.traces:
+        ring = traced.ring(shard) if traced.ring(shard) is not None else ring
+        target = (0, 0, 0) if offload else steady_bytes(traced.shards[shard * cp], optimizer)
+        peaks.append((traced.layers, traced.peak(shard, target)))
+        acts.append((traced.layers, traced.activations(shard)))
+        tp_comm.append((traced.layers, traced.collective_bytes(shard, "tp")))
     params, grads, states = steady_bytes(full_shards, optimizer)
     comm: dict[str, int] = {}
     gathered = reduced = 0.0
@@ -222,6 +223,7 @@ def search(
     pp_sizes: Sequence[int] = (),
     schedule: str = "1F1B",
     microbatches: int | None = None,
+    jobs: int = 1,
 ) -> FitResult:
     """Evaluate every candidate of a ``gpus``-rank world against ``budget`` bytes.
 
@@ -251,6 +253,8 @@ def search(
         schedule: the pipeline candidates' schedule (1F1B or GPipe).
         microbatches: their micro-batches per step (``None``: ``batch``,
             one sequence each).
+        jobs: processes to trace the settings in (:mod:`fsdptx.cli._workers`);
+            the result does not depend on it.
 
     Returns:
         A :class:`FitResult`.
@@ -267,6 +271,10 @@ def search(
     )
     every = meshes(gpus, cp_sizes, tuple(by_pp))
     fulls: dict[int, tuple[Any, Callable[[int], dict[str, ParamShard]]] | None] = {}
+    fulls_at: dict[int, Callable[[int], dict[str, ParamShard]]] = {}
+    settings: list[_Setting] = []  # what is traced, in the order candidates are listed
+    tasks: list[Callable[[], Measured]] = []
+    cost: list[int] = []
     for tp, cp in sorted({(m.get("tp", 1), m.get("cp", 1)) for m in every}):
         tp_meshes = [m for m in every if (m.get("tp", 1), m.get("cp", 1)) == (tp, cp)]
         uneven = [m for m in tp_meshes if (m["dp_shard"] * tp) % ep]
@@ -304,44 +312,49 @@ def search(
         known = fulls[tp]
         if known is None:
             continue
-        full, full_at = known
+        full, fulls_at[tp] = known
         for ac in AC_MODES:
             for replicated in (False, True):
                 group = [m for m in tp_meshes if (m.get("dp_replicate", 1) > 1) == replicated]
-                if not group:
-                    continue
-                setting = config(sequence_parallel=tp > 1, activation_checkpointing=ac)
-                points = shard_points(m["dp_shard"] for m in group)
-                try:
-                    measured = measure(build, counts, tp, points, replicated, setting, ac, (batch, seq), ep, cp)
-                except ValueError as e:  # the planner or the model refuses this setting: the others still count
-                    skipped.append(f"{label}, ac={ac or 'off'}{', dp_replicate > 1' if replicated else ''}: {_short(e)}")
-                    continue
-                flops = step_flops(flops_params, batch * seq, ac) / (tp * cp)  # TP and CP split every matmul
-                for mesh in group:
-                    shards = full_at(mesh["dp_shard"] * cp)
-                    pp = mesh.get("pp", 1)
-                    try:
-                        evaluated = [
-                            evaluate(mesh, ac, offload, measured, shards, full.plan, layers or 0, optimizer, ep)
-                            if pp == 1
-                            else evaluate_pipeline(mesh, ac, offload, measured, shards, layers or 0, optimizer, by_pp[pp])
-                            for offload in (False, True)
-                        ]
-                    except ValueError as e:
-                        skipped.append(f"--mesh {_mesh_text(mesh)} ac={ac or 'off'}: {_short(e)}")
-                        continue
-                    # a pipeline rank computes its stage's blocks (the busiest stage sets the pace)
-                    # and idles (pp - 1) / microbatches of that in the bubble
-                    share = 1.0 if pp == 1 else max(by_pp[pp].shares.blocks) / sum(by_pp[pp].shares.blocks)
-                    bubble = 0.0 if pp == 1 else (pp - 1) / by_pp[pp].microbatches
-                    tokens = batch * seq / (tp * cp * pp)
-                    candidates += [
-                        dataclasses.replace(
-                            c, step=predict(c.mesh, c.comm_bytes, flops * share, hardware, tokens=tokens, bubble=bubble)
-                        )
-                        for c in evaluated
-                    ]
+                if group:
+                    settings.append(_Setting(tp, cp, ac, replicated, tuple(group), full.plan, label))
+                    points = shard_points(m["dp_shard"] for m in group)
+                    needed = {m["dp_shard"] * k for m in group for k in (1, cp)}
+                    work = config(sequence_parallel=tp > 1, activation_checkpointing=ac)
+                    tasks.append(functools.partial(measure, build, counts, tp, points, replicated, work, ac, (batch, seq), ep, cp, needed))
+                    cost.append(len(points) * (3 if ac == "full" else 2 if ac else 1))
+    # the traces are most of the time: largest first, so that no worker is left with one at the end
+    order = sorted(range(len(tasks)), key=lambda i: -cost[i])
+    for at, measured in zip(settings, run_tasks(tasks, jobs, order)):
+        if isinstance(measured, ValueError):  # the planner or the model refuses this setting: the others still count
+            skipped.append(f"{at.label}, ac={at.ac or 'off'}{', dp_replicate > 1' if at.replicated else ''}: {_short(measured)}")
+            continue
+        full_at = fulls_at[at.tp]
+        flops = step_flops(flops_params, batch * seq, at.ac) / (at.tp * at.cp)  # TP and CP split every matmul
+        for mesh in at.group:
+            shards = full_at(mesh["dp_shard"] * at.cp)
+            pp = mesh.get("pp", 1)
+            try:
+                evaluated = [
+                    evaluate(mesh, at.ac, offload, measured, shards, at.plan, layers or 0, optimizer, ep)
+                    if pp == 1
+                    else evaluate_pipeline(mesh, at.ac, offload, measured, shards, layers or 0, optimizer, by_pp[pp])
+                    for offload in (False, True)
+                ]
+            except ValueError as e:
+                skipped.append(f"--mesh {_mesh_text(mesh)} ac={at.ac or 'off'}: {_short(e)}")
+                continue
+            # a pipeline rank computes its stage's blocks (the busiest stage sets the pace)
+            # and idles (pp - 1) / microbatches of that in the bubble
+            share = 1.0 if pp == 1 else max(by_pp[pp].shares.blocks) / sum(by_pp[pp].shares.blocks)
+            bubble = 0.0 if pp == 1 else (pp - 1) / by_pp[pp].microbatches
+            tokens = batch * seq / (at.tp * at.cp * pp)
+            candidates += [
+                dataclasses.replace(
+                    c, step=predict(c.mesh, c.comm_bytes, flops * share, hardware, tokens=tokens, bubble=bubble)
+                )
+                for c in evaluated
+            ]
     return FitResult(
         gpus,
         budget,
@@ -352,6 +365,19 @@ def search(
         tuple(skipped),
         tuple(n or 0 for n in counts),
     )
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One traced setting of the search and the meshes its traces stand for."""
+
+    tp: int
+    cp: int
+    ac: str | bool
+    replicated: bool
+    group: tuple[dict[str, int], ...]
+    plan: Plan  # the whole model's, for FSDP's traffic
+    label: str
 
 
 def trace_counts(model: nn.Module, layers: int | None) -> tuple[int | None, ...]:

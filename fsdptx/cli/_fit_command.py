@@ -18,6 +18,7 @@ from ._common import UsageError, mp_policy
 from ._fit_dims import CP_MIN_SEQ, CP_SIZES, PP_SIZES, parse_sizes
 from ._fit import DEFAULT_HEADROOM, matmul_params, parse_fit, parse_headroom, search
 from ._hardware import DEFAULT_GPU, SELECTIVE_RECOMPUTE, hardware
+from ._workers import available_cpus
 
 __all__ = ["TIME_MODEL", "run_fit"]
 
@@ -44,6 +45,8 @@ def run_fit(args: Any) -> str:
         raise UsageError(str(e)) from None
     if args.top is not None and args.top < 1:
         raise UsageError(f"--top must be >= 1, got {args.top}")
+    if args.fit_jobs is not None and args.fit_jobs < 1:
+        raise UsageError(f"--fit-jobs must be >= 1, got {args.fit_jobs}")
     batch_seq = _batch_seq(args)
     assert batch_seq is not None  # --fit asks for a trace
     batch, seq = batch_seq
@@ -83,6 +86,7 @@ def run_fit(args: Any) -> str:
             pp_sizes=tuple(p for p in pp_sizes if layers is None or p <= layers),
             schedule=args.schedule or "1F1B",
             microbatches=args.microbatches,
+            jobs=available_cpus() if args.fit_jobs is None else args.fit_jobs,
         )
         result = dataclasses.replace(
             result,

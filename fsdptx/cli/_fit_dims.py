@@ -44,7 +44,7 @@ from ..model._stages import pipeline_parts
 from ..plan._stages import PipelineParallelConfig, bubble_fraction, in_flight_microbatches, microbatch_problem, split_stages
 from ._common import _one_line
 from ._fit_candidate import Candidate
-from ._fit_measure import Measured, extrapolate, ring_bytes, trace_at
+from ._fit_measure import Measured, extrapolate, ring_bytes
 from ._report import ParamShard, ceil_div
 from ._ring import GRAD_BYTES, RingAttention
 from ._scaling import rescale, steady_bytes, traced_steady
@@ -276,9 +276,9 @@ def evaluate_pipeline(
     acts: list[tuple[int, float]] = []
     by_tokens = by_params = 0
     tp_comm: list[tuple[int, float]] = []
-    for n_layers, points, shards_at in measured.traces:
-        trace = trace_at(points, shard)
-        _, _, at_peak = rescale(trace, traced=traced_steady(trace), target=steady_bytes(shards_at(shard), optimizer))
+    for traced in measured.traces:
+        trace = traced.trace(shard)
+        _, _, at_peak = rescale(trace, traced=traced_steady(trace), target=steady_bytes(traced.shards[shard], optimizer))
         # transients: the operators' temporaries and inputs grow with the tokens (the largest the
         # step holds: a stage may peak where the whole model does not, at its head), the buffers of
         # a unit's collectives and its unsharded gradients with its parameters (as at the peak)
@@ -286,8 +286,8 @@ def evaluate_pipeline(
             by_tokens, max((x.bytes.get("temporaries", 0) + x.bytes.get("inputs", 0) for x in trace.samples), default=0)
         )
         by_params = max(by_params, sum(at_peak.get(k, 0) for k in UNIT_TRANSIENTS))
-        acts.append((n_layers, trace.activations))
-        tp_comm.append((n_layers, sum(c.bytes for c in trace.collectives if c.source == "tp")))
+        acts.append((traced.layers, trace.activations))
+        tp_comm.append((traced.layers, sum(c.bytes for c in trace.collectives if c.source == "tp")))
     if len(acts) == 2:
         (la, a), (lb, b) = acts
         block, rest = (b - a) / (lb - la), a - la * (b - a) / (lb - la)

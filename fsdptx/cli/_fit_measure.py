@@ -5,6 +5,7 @@ is from them (:mod:`fsdptx.cli._scaling`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,12 +16,13 @@ from torch import nn
 from ..plan._plan import Plan
 from ._memory import disable_kv_cache
 from ._report import ParamShard
-from ._scaling import at_shard_count
+from ._scaling import ShardSeries, between, at_shard_count, rescale, traced_steady
 from ._trace import Trace
 
 __all__ = [
     "REFERENCE_SHARDS",
     "Measured",
+    "Traced",
     "extrapolate",
     "measure",
     "ring_bytes",
@@ -50,13 +52,63 @@ def shard_points(needed: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted(points))
 
 
+@dataclass(frozen=True, eq=False)
+class Traced:
+    """One setting's step traced at one block count: its traces by FSDP
+    shard count, the traced model's exact shards at every shard count the
+    candidates ask for, and the reference pair as a :class:`ShardSeries`
+    when larger shard counts derive from it. Plain data (no model, no
+    closures), so a trace process can send it back."""
+
+    layers: int
+    points: Mapping[int, Trace]
+    shards: Mapping[int, dict[str, ParamShard]]
+    series: ShardSeries | None
+
+    def trace(self, shards: int) -> Trace:
+        """The whole step at ``shards`` FSDP ranks (:func:`trace_at`)."""
+        return trace_at(self.points, shards)
+
+    def peak(self, shards: int, target: tuple[int, int, int]) -> int:
+        """The step's peak at ``shards`` ranks with its sharded parts sized
+        ``target``: :func:`~fsdptx.cli._scaling.rescale` of :meth:`trace`,
+        by the series' fast path where the trace would be derived."""
+        if shards in self.points or self.series is None:
+            trace = self.trace(shards)
+            return rescale(trace, traced=traced_steady(trace), target=target)[0]
+        return self.series.peak(shards, target)
+
+    def activations(self, shards: int) -> int:
+        return self._scalar(shards, lambda t: t.activations)
+
+    def collective_bytes(self, shards: int, source: str) -> int:
+        """Bytes of the step's collectives from ``source`` (``tp``, ...), each derived as :func:`at_shard_count` does."""
+        if shards in self.points:
+            return sum(c.bytes for c in self.points[shards].collectives if c.source == source)
+        (a, ta), (b, tb) = ((n, self.points[n]) for n in REFERENCE_SHARDS)
+        return sum(
+            between(ca.bytes, a, cb.bytes, b, shards)
+            for ca, cb in zip(ta.collectives, tb.collectives)
+            if cb.source == source
+        )
+
+    def ring(self, shards: int) -> Any:
+        """Ring attention's modelled buffers (``None`` without ``cp``): the same at every shard count."""
+        return (self.points[shards] if shards in self.points else self.points[REFERENCE_SHARDS[-1]]).ring
+
+    def _scalar(self, shards: int, get: Callable[[Trace], int]) -> int:
+        if shards in self.points:
+            return get(self.points[shards])
+        a, b = REFERENCE_SHARDS
+        return between(get(self.points[a]), a, get(self.points[b]), b, shards)
+
+
 @dataclass(frozen=True)
 class Measured:
-    """The traces of one (tp, checkpointing, replicated or not) setting:
-    per traced block count, the traces by FSDP shard count and the shard
-    function of the traced model."""
+    """The traces of one (tp, checkpointing, replicated or not) setting,
+    one :class:`Traced` per traced block count."""
 
-    traces: tuple[tuple[int, Mapping[int, Trace], Callable[[int], dict[str, ParamShard]]], ...]
+    traces: tuple[Traced, ...]
 
 
 def trace_at(points: Mapping[int, Trace], shards: int) -> Trace:
@@ -133,10 +185,13 @@ def measure(
     batch_seq: tuple[int, int],
     ep: int,
     cp: int = 1,
+    needed: Iterable[int] = (),
 ) -> Measured:
-    """Trace the step of one setting at every block count and shard count."""
+    """Trace the step of one setting at every block count and shard count,
+    with the traced model's shards at each shard count in ``needed``."""
     from ._run import dry_run
 
+    needed = sorted(set(needed))
     traced = []
     for n in counts:
         by_shards: dict[int, Trace] = {}
@@ -152,5 +207,10 @@ def measure(
             by_shards[shards] = run.trace
             shards_at = shards_for(model, run.plan, run.dims, ep)  # the same plan at every shard count
         assert shards_at is not None  # points is never empty: every group has a mesh
-        traced.append((n or 0, by_shards, shards_at))
+        a, b = REFERENCE_SHARDS
+        series = None
+        if a in by_shards and b in by_shards:
+            with contextlib.suppress(ValueError):  # different steps: trace_at says so for the meshes that need them
+                series = ShardSeries.of(by_shards[a], a, by_shards[b], b)
+        traced.append(Traced(n or 0, by_shards, {s: shards_at(s) for s in needed}, series))
     return Measured(tuple(traced))

@@ -345,7 +345,7 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
     return out + memory_text(m) if traced else out
 
 
-_FIT_ONLY = ("headroom", "gpu", "flops", "nvlink", "network", "pcie", "gpus_per_node", "mfu", "top", "fit_cp", "fit_pp")
+_FIT_ONLY = ("headroom", "gpu", "flops", "nvlink", "network", "pcie", "gpus_per_node", "mfu", "top", "fit_cp", "fit_pp", "fit_jobs")
 
 
 def run_plan(args: argparse.Namespace) -> str:

@@ -131,6 +131,13 @@ def build_parser() -> _Parser:
         f"({', '.join(map(str, PP_SIZES))}), 1 (none) or a list such as 2,4; with --schedule 1F1B or GPipe "
         "(default 1F1B) and --microbatches (default --batch: one sequence each)",
     )
+    fit.add_argument(
+        "--fit-jobs",
+        type=int,
+        metavar="N",
+        help="processes --fit traces its settings in (default: the CPUs this process may use); "
+        "the result does not depend on it",
+    )
     p.add_argument(
         "--cp-rotate",
         choices=list(ROTATE_METHODS),

@@ -16,18 +16,22 @@ and temporaries. So two uses:
   step at two shard counts: every category of every sample is a fixed part
   plus a part that goes as one over the shard count, and two traces give
   both. ``--fit`` uses it so that one pair of traces stands for every
-  larger shard count.
+  larger shard count. :class:`ShardSeries` is its fast path for the one
+  figure ``--fit`` needs of every mesh, the rescaled peak.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
 
 from ._report import OPTIMIZER_STATES, ParamShard
 from ._trace import Sample, Trace
 
-__all__ = ["at_shard_count", "rescale", "steady_bytes", "traced_steady"]
+__all__ = ["ShardSeries", "at_shard_count", "between", "rescale", "steady_bytes", "traced_steady"]
 
 
 def steady_bytes(shards: Mapping[str, ParamShard], optimizer: str) -> tuple[int, int, int]:
@@ -71,12 +75,16 @@ def rescale(
     return best, best_i, best_bytes
 
 
-def _between(a: int, a_shards: int, b: int, b_shards: int, shards: int) -> int:
+def between(a: int, a_shards: int, b: int, b_shards: int, shards: int) -> int:
     """``f + g / shards`` through ``(a_shards, a)`` and ``(b_shards, b)``,
-    in integers: ``a + (b - a) * (1/shards - 1/a_shards) / (1/b_shards - 1/a_shards)``."""
+    in integers: ``a + (b - a) * (1/shards - 1/a_shards) / (1/b_shards - 1/a_shards)``,
+    the fraction rounded half to even exactly (no float in between)."""
     num = (b - a) * b_shards * (a_shards - shards)
     den = shards * (a_shards - b_shards)
-    return max(0, a + round(num / den))
+    if den < 0:
+        num, den = -num, -den
+    q, r = divmod(num, den)
+    return max(0, a + q + int(2 * r > den or (2 * r == den and q % 2 == 1)))
 
 
 def at_shard_count(a: Trace, a_shards: int, b: Trace, b_shards: int, shards: int) -> Trace:
@@ -94,23 +102,10 @@ def at_shard_count(a: Trace, a_shards: int, b: Trace, b_shards: int, shards: int
             units, phases or collectives differ), or the shard counts are
             not distinct positive ints.
     """
-    if len({a_shards, b_shards}) != 2 or min(a_shards, b_shards, shards) < 1:
-        raise ValueError(
-            f"at_shard_count: needs two distinct shard counts and a positive target, got {a_shards}, "
-            f"{b_shards} -> {shards}"
-        )
-    steps_a = [(s.phase, s.unit) for s in a.samples]
-    steps_b = [(s.phase, s.unit) for s in b.samples]
-    colls_a = [(c.op, c.source, c.phase, c.unit) for c in a.collectives]
-    colls_b = [(c.op, c.source, c.phase, c.unit) for c in b.collectives]
-    if steps_a != steps_b or colls_a != colls_b:
-        raise ValueError(
-            f"the steps traced at {a_shards} and {b_shards} FSDP shards differ ({len(steps_a)} and {len(steps_b)} "
-            f"operators, {len(colls_a)} and {len(colls_b)} collectives), so neither stands for {shards} shards"
-        )
+    _check_same_step(a, a_shards, b, b_shards, shards)
 
     def fit(x: int, y: int) -> int:
-        return _between(x, a_shards, y, b_shards, shards)
+        return between(x, a_shards, y, b_shards, shards)
 
     samples = tuple(
         Sample(
@@ -127,3 +122,101 @@ def at_shard_count(a: Trace, a_shards: int, b: Trace, b_shards: int, shards: int
     return dataclasses.replace(
         b, samples=samples, collectives=collectives, activations=fit(a.activations, b.activations)
     )
+
+
+def _check_same_step(a: Trace, a_shards: int, b: Trace, b_shards: int, shards: int) -> None:
+    if len({a_shards, b_shards}) != 2 or min(a_shards, b_shards, shards) < 1:
+        raise ValueError(
+            f"at_shard_count: needs two distinct shard counts and a positive target, got {a_shards}, "
+            f"{b_shards} -> {shards}"
+        )
+    steps_a = [(s.phase, s.unit) for s in a.samples]
+    steps_b = [(s.phase, s.unit) for s in b.samples]
+    colls_a = [(c.op, c.source, c.phase, c.unit) for c in a.collectives]
+    colls_b = [(c.op, c.source, c.phase, c.unit) for c in b.collectives]
+    if steps_a != steps_b or colls_a != colls_b:
+        raise ValueError(
+            f"the steps traced at {a_shards} and {b_shards} FSDP shards differ ({len(steps_a)} and {len(steps_b)} "
+            f"operators, {len(colls_a)} and {len(colls_b)} collectives), so neither stands for {shards} shards"
+        )
+
+
+_STEADY = ("sharded_params", "sharded_grads", "optimizer_state")
+
+
+@dataclass(frozen=True, eq=False)
+class ShardSeries:
+    """One step traced at two FSDP shard counts, held as two matrices
+    (samples x categories) so that its rescaled peak at any shard count
+    costs a few tensor operations instead of a derived trace.
+
+    ``--fit`` asks every mesh of a world for that peak (hundreds of them,
+    each with thousands of samples per trace); building each mesh's trace
+    with :func:`at_shard_count` and scanning it with :func:`rescale` was
+    most of what the search spent outside the traces. The numbers are
+    theirs, to the byte (a property test holds them equal): the same
+    integer interpolation, the same rounding of the scaled categories.
+
+    Build with :meth:`of`.
+    """
+
+    a_shards: int
+    b_shards: int
+    keys: tuple[str, ...]
+    a: torch.Tensor  # int64, samples x keys
+    b: torch.Tensor
+    before_optimizer: torch.Tensor  # bool per sample: where the sharded gradients are at their most
+
+    @classmethod
+    def of(cls, a: Trace, a_shards: int, b: Trace, b_shards: int) -> ShardSeries:
+        """The series of ``a`` and ``b``, the same step at ``a_shards`` and ``b_shards`` ranks.
+
+        Raises:
+            ValueError: as :func:`at_shard_count`: different steps, or equal shard counts.
+        """
+        _check_same_step(a, a_shards, b, b_shards, 1)
+        keys = tuple(dict.fromkeys(k for t in (a, b) for s in t.samples for k in s.bytes))
+
+        def matrix(t: Trace) -> torch.Tensor:
+            rows = [[s.bytes.get(k, 0) for k in keys] for s in t.samples]
+            return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(keys))
+
+        steps = torch.tensor([s.phase != "optimizer" for s in b.samples], dtype=torch.bool)
+        return cls(a_shards, b_shards, keys, matrix(a), matrix(b), steps)
+
+    def samples(self, shards: int) -> torch.Tensor:
+        """Every sample's bytes per category at ``shards`` ranks, as
+        :func:`at_shard_count` derives them."""
+        if shards < 1:
+            raise ValueError(f"ShardSeries: the shard count must be positive, got {shards}")
+        num = (self.b - self.a) * (self.b_shards * (self.a_shards - shards))
+        den = shards * (self.a_shards - self.b_shards)
+        if den < 0:
+            num, den = -num, -den
+        q = torch.div(num, den, rounding_mode="floor")
+        r2 = 2 * (num - q * den)
+        q = q + ((r2 > den) | ((r2 == den) & (q % 2 == 1))).long()
+        return (self.a + q).clamp(min=0)
+
+    def peak(self, shards: int, target: tuple[int, int, int]) -> int:
+        """``rescale(at_shard_count(...), traced=traced_steady(...), target=target)[0]``."""
+        values = self.samples(shards)
+        if values.shape[0] == 0:
+            return -1  # rescale's value for a trace without samples
+        column = {k: i for i, k in enumerate(self.keys)}
+
+        def col(key: str) -> torch.Tensor | None:
+            return values[:, column[key]] if key in column else None
+
+        params, grads, states = (col(k) for k in _STEADY)
+        traced = (
+            0 if params is None else int(params[0]),
+            0 if grads is None or not bool(self.before_optimizer.any()) else int(grads[self.before_optimizer].max()),
+            0 if states is None else int(states[0]),
+        )
+        scaled = values.clone()
+        for key, was, want in zip(_STEADY, traced, target):
+            if key in column:
+                factor = want / was if was else 0.0
+                scaled[:, column[key]] = torch.round(values[:, column[key]].double() * factor).long()
+        return int(scaled.sum(dim=1).max())
