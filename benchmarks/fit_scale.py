@@ -1,6 +1,8 @@
 """How long the dry run and ``--fit`` take at real scale, and where the time goes.
 
-Each timed figure is a fresh ``python -m fsdptx plan ...`` process (imports
+``--fit`` traces its settings in one process per available CPU
+(``--fit-jobs``); one row repeats the 256-GPU search with ``--fit-jobs 1``
+as the baseline. Each timed figure is a fresh ``python -m fsdptx plan ...`` process (imports
 included, as a user runs it), ``--runs`` times; the table shows the median
 with the range. Targets (the sizing issue): the 80-layer Llama of 70B shapes
 planned on dp=32 x tp=8 + SP within 15 s; ``--fit`` at seq 8192 on 256 x
@@ -84,22 +86,24 @@ def _stopwatch(module: Any, name: str, totals: dict[str, float]) -> Iterator[Non
 
 
 def _where(argv: Sequence[str]) -> str:
-    """One in-process --fit with its traces and dry runs timed apart."""
+    """One in-process --fit with its traces (in worker processes) and dry runs timed apart."""
     from fsdptx.cli import _fit, _run
     from fsdptx.cli._main import main
+    from fsdptx.cli._workers import available_cpus
 
     totals: dict[str, float] = {}
     start = time.perf_counter()
-    with _stopwatch(_fit, "measure", totals), _stopwatch(_run, "dry_run", totals):
+    with _stopwatch(_fit, "run_tasks", totals), _stopwatch(_run, "dry_run", totals):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             main(["plan", *argv, "--json"])
     total = time.perf_counter() - start
-    traced = totals.get("measure", 0.0)
-    untraced = totals.get("dry_run", 0.0) - traced  # dry_run also runs inside _measure
+    traced = totals.get("run_tasks", 0.0)
+    untraced = totals.get("dry_run", 0.0)  # the workers' own dry runs are not seen here: they are forked
     rest = total - traced - untraced
     return (
-        f"{total:.1f} s in process: traced steps {traced:.1f} s ({traced / total:.0%}), whole-model dry runs "
-        f"{untraced:.1f} s ({untraced / total:.0%}), the rest {rest:.1f} s ({rest / total:.0%})"
+        f"{total:.1f} s in process: traced steps {traced:.1f} s ({traced / total:.0%}, in {available_cpus()} "
+        f"processes), whole-model dry runs {untraced:.1f} s ({untraced / total:.0%}), the rest {rest:.1f} s "
+        f"({rest / total:.0%})"
     )
 
 
@@ -127,6 +131,14 @@ def main() -> None:
             [*LLAMA_70B, "--seq", str(args.seq), "--fit", f"{gpus}x80GiB"],
             args.runs,
             targets.get(gpus),
+            _fit_counts,
+        )
+    if 256 in args.gpus:  # the baseline of the traces' worker processes, in the same run
+        _row(
+            f"70B --fit 256x80GiB, seq {args.seq}, --fit-jobs 1",
+            [*LLAMA_70B, "--seq", str(args.seq), "--fit", "256x80GiB", "--fit-jobs", "1"],
+            args.runs,
+            None,
             _fit_counts,
         )
     if not args.skip_deepseek:

@@ -65,6 +65,22 @@ class Traced:
     shards: Mapping[int, dict[str, ParamShard]]
     series: ShardSeries | None
 
+    @classmethod
+    def of(cls, layers: int, points: Mapping[int, Trace], shards: Mapping[int, dict[str, ParamShard]]) -> Traced:
+        """The entry, with the reference pair's series when both are traced and are the same step."""
+        series = None
+        a, b = REFERENCE_SHARDS
+        if a in points and b in points:
+            with contextlib.suppress(ValueError):  # different steps: trace_at says so for the meshes that need them
+                series = ShardSeries.of(points[a], a, points[b], b)
+        return cls(layers, points, shards, series)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Sent back from a trace process as plain data; the series' tensors
+        # are rebuilt on arrival (torch would share them through file
+        # descriptors, which a worker of a pool cannot always hand over).
+        return (Traced.of, (self.layers, dict(self.points), dict(self.shards)))
+
     def trace(self, shards: int) -> Trace:
         """The whole step at ``shards`` FSDP ranks (:func:`trace_at`)."""
         return trace_at(self.points, shards)
@@ -207,10 +223,5 @@ def measure(
             by_shards[shards] = run.trace
             shards_at = shards_for(model, run.plan, run.dims, ep)  # the same plan at every shard count
         assert shards_at is not None  # points is never empty: every group has a mesh
-        a, b = REFERENCE_SHARDS
-        series = None
-        if a in by_shards and b in by_shards:
-            with contextlib.suppress(ValueError):  # different steps: trace_at says so for the meshes that need them
-                series = ShardSeries.of(by_shards[a], a, by_shards[b], b)
-        traced.append(Traced(n or 0, by_shards, {s: shards_at(s) for s in needed}, series))
+        traced.append(Traced.of(n or 0, by_shards, {s: shards_at(s) for s in needed}))
     return Measured(tuple(traced))
