@@ -5,8 +5,9 @@ Every mesh the world allows (``pp`` x ``dp_replicate`` x ``dp_shard`` x
 ``cp`` and ``pp`` from their searched sizes, :mod:`fsdptx.cli._fit_dims`),
 activation checkpointing off / selective / full, and optimizer-state
 offload off / on, each with its predicted per-rank peak and its
-communication per step. With ``--ep N`` each mesh also splits the experts
-across ``N`` of its shard x TP ranks (:attr:`Candidate.moe_mesh`). The
+communication per step. For a model with experts each mesh also splits
+them across each ``ep`` searched (``--ep``: :func:`auto_ep_sizes` by
+default), ``ep`` of its shard x TP ranks (:attr:`Candidate.moe_mesh`). The
 candidates are :mod:`fsdptx.cli._fit_candidate`'s, the traces they come
 from :mod:`fsdptx.cli._fit_measure`'s.
 
@@ -31,6 +32,10 @@ compare them), at a fraction of the traces:
   another kind: :func:`trace_counts`) and the peak, activations and TP traffic
   extrapolated linearly: each further block adds one more block's
   activations, parameters and collectives. Fewer blocks: traced whole, exact.
+
+The settings are traced independently of each other, in worker processes
+(:mod:`fsdptx.cli._workers`, ``--fit-jobs``), and evaluated in a fixed order,
+so the result does not depend on how many there are.
 
 A setting the planner or the model refuses (a TP size that does not divide
 the sequence, a TP plan that does not divide) is skipped and listed with
@@ -74,10 +79,12 @@ from ._report import ParamShard, ceil_div, step_traffic
 
 __all__ = [
     "DEFAULT_HEADROOM",
+    "EP_SIZES",
     "MAX_TP",
     "TRACE_LAYERS",
     "Candidate",
     "FitResult",
+    "auto_ep_sizes",
     "evaluate",
     "matmul_params",
     "meshes",
@@ -89,6 +96,11 @@ __all__ = [
 TRACE_LAYERS = 3
 """Models with more blocks are traced at ``TRACE_LAYERS - 1`` and
 ``TRACE_LAYERS`` blocks and extrapolated."""
+
+EP_SIZES = (2, 4, 8)
+"""``--ep auto``: expert-parallel sizes tried besides 1 (those dividing the
+expert counts): within one node, where the time model puts the experts'
+all-to-alls (NVLink); larger ones are given as a list."""
 
 MAX_TP = 8
 """Largest TP degree tried: TP collectives sit on the critical path of every
@@ -146,7 +158,7 @@ def evaluate(
     ring = None
     for traced in measured.traces:
         ring = traced.ring(shard) if traced.ring(shard) is not None else ring
-        target = (0, 0, 0) if offload else steady_bytes(traced.shards[shard * cp], optimizer)
+        target = (0, 0, 0) if offload else steady_bytes(traced.shards[(shard * cp, ep)], optimizer)
         peaks.append((traced.layers, traced.peak(shard, target)))
         acts.append((traced.layers, traced.activations(shard)))
         tp_comm.append((traced.layers, traced.collective_bytes(shard, "tp")))
@@ -218,7 +230,7 @@ def search(
     hardware: Hardware,
     flops_params: int,
     headroom: int = 0,
-    ep: int = 1,
+    ep_sizes: Sequence[int] | None = (1,),
     cp_sizes: Sequence[int] = (),
     pp_sizes: Sequence[int] = (),
     schedule: str = "1F1B",
@@ -241,11 +253,14 @@ def search(
         flops_params: the model's parameters that multiply
             (:func:`matmul_params`), for its FLOPs per token.
         headroom: bytes of ``budget`` left out of what a candidate may hold.
-        ep: split the experts across this many ranks in every candidate
-            (their MoE mesh: :attr:`Candidate.moe_mesh`); meshes whose
-            shard x TP ranks it does not divide are skipped. The traces run
-            with the experts whole (their forward needs the model's token
-            dispatch), so gathered experts count whole: an upper bound.
+        ep_sizes: the expert-parallel sizes to try (1: experts in their
+            blocks; ``N`` > 1: split across ``N`` ranks, on the MoE mesh
+            :attr:`Candidate.moe_mesh`; ``None``: :func:`auto_ep_sizes`);
+            a mesh whose shard x TP ranks an ``N`` does not divide is
+            skipped for it (``auto`` tries no ``N`` above ``gpus``). The traces run with the experts whole (their
+            forward needs the model's token dispatch), so gathered experts
+            count whole: an upper bound. Every ``N`` > 1 shares one set of
+            traces.
         cp_sizes: context-parallel sizes to try besides 1 (traced at
             ``seq / cp`` with ring attention modelled).
         pp_sizes: pipeline sizes to try besides 1 (modelled from the
@@ -270,58 +285,48 @@ def search(
         build, pp_sizes, schedule, batch if microbatches is None else microbatches, batch, seq, policy, skipped
     )
     every = meshes(gpus, cp_sizes, tuple(by_pp))
-    fulls: dict[int, tuple[Any, Callable[[int], dict[str, ParamShard]]] | None] = {}
-    fulls_at: dict[int, Callable[[int], dict[str, ParamShard]]] = {}
+    if ep_sizes is None:
+        planned = dry_run(build(None), *trace_mesh(1, 2, False), config()).plan
+        eps = tuple(e for e in auto_ep_sizes(build(None), planned) if e <= gpus)  # a model the dry run has not parallelized
+    else:
+        eps = tuple(sorted(set(ep_sizes)))
+    fulls: dict[tuple[int, bool], tuple[Plan, Callable[[int, int], dict[str, ParamShard]]] | None] = {}
     settings: list[_Setting] = []  # what is traced, in the order candidates are listed
     tasks: list[Callable[[], Measured]] = []
     cost: list[int] = []
     for tp, cp in sorted({(m.get("tp", 1), m.get("cp", 1)) for m in every}):
-        tp_meshes = [m for m in every if (m.get("tp", 1), m.get("cp", 1)) == (tp, cp)]
-        uneven = [m for m in tp_meshes if (m["dp_shard"] * tp) % ep]
-        skipped += [f"--mesh {_mesh_text(m)}: ep={ep} does not divide its dp_shard x tp ranks" for m in uneven]
-        staged = [m for m in tp_meshes if m.get("pp", 1) > 1 and m not in uneven]
-        if staged and ep > 1:
-            skipped.append(f"tp={tp} with pp: the dry run plans no pipeline with a MoE mesh (--ep {ep})")
-        elif staged and hugging_face and tp > 1:
-            skipped.append(
-                f"tp={tp} with pp: a Hugging Face model's pipeline stages run TP without sequence parallelism, "
-                "which --fit does not trace"
-            )
-        else:
-            staged = []
-        tp_meshes = [m for m in tp_meshes if m not in uneven and m not in staged]
-        if not tp_meshes:
-            continue
+        label = f"tp={tp}" + (f", cp={cp}" if cp > 1 else "")
         problem = cp_seq_error(seq, cp, tp, tp > 1) if cp > 1 else None
         if problem is None and seq % tp:
             problem = f"--seq {seq} is not divisible by {tp}; sequence parallelism splits every sequence over the TP ranks"
-        label = f"tp={tp}" + (f", cp={cp}" if cp > 1 else "")
         if problem is not None:
             skipped.append(f"{label}: {problem}")
             continue
-        if tp not in fulls:
-            full_model = build(None)
-            try:
-                full = dry_run(
-                    full_model, *trace_mesh(tp, 2, False), config(sequence_parallel=tp > 1), moe=trace_moe(tp, 2, False, ep)
-                )
-                fulls[tp] = (full, shards_for(full_model, full.plan, full.dims, ep))
-            except ValueError as e:  # the TP plan does not divide: not a candidate
-                fulls[tp] = None
-                skipped.append(f"tp={tp}: {_short(e)}")
-        known = fulls[tp]
-        if known is None:
-            continue
-        full, fulls_at[tp] = known
-        for ac in AC_MODES:
-            for replicated in (False, True):
-                group = [m for m in tp_meshes if (m.get("dp_replicate", 1) > 1) == replicated]
-                if group:
-                    settings.append(_Setting(tp, cp, ac, replicated, tuple(group), full.plan, label))
-                    points = shard_points(m["dp_shard"] for m in group)
-                    needed = {m["dp_shard"] * k for m in group for k in (1, cp)}
+        tp_meshes = [m for m in every if (m.get("tp", 1), m.get("cp", 1)) == (tp, cp)]
+        for moe in sorted({ep > 1 for ep in eps}):
+            kind = [ep for ep in eps if (ep > 1) == moe]
+            pairs = _with_ep(tp_meshes, kind, hugging_face, skipped)
+            if not pairs:
+                continue
+            if (tp, moe) not in fulls:
+                fulls[(tp, moe)] = _whole(build, tp, kind, config, skipped)
+            known = fulls[(tp, moe)]
+            if known is None:
+                continue
+            plan, _ = known
+            for ac in AC_MODES:
+                for replicated in (False, True):
+                    group = tuple((m, ep) for m, ep in pairs if (m.get("dp_replicate", 1) > 1) == replicated)
+                    if not group:
+                        continue
+                    settings.append(_Setting(tp, cp, ac, replicated, group, plan, label))
+                    points = shard_points(m["dp_shard"] for m, _ in group)
+                    needed = {(m["dp_shard"] * k, ep) for m, ep in group for k in (1, cp)}
                     work = config(sequence_parallel=tp > 1, activation_checkpointing=ac)
-                    tasks.append(functools.partial(measure, build, counts, tp, points, replicated, work, ac, (batch, seq), ep, cp, needed))
+                    ep_trace = max(ep for _, ep in group)  # every ep > 1 traces alike: experts whole, on their own mesh
+                    tasks.append(
+                        functools.partial(measure, build, counts, tp, points, replicated, work, ac, (batch, seq), ep_trace, cp, needed)
+                    )
                     cost.append(len(points) * (3 if ac == "full" else 2 if ac else 1))
     # the traces are most of the time: largest first, so that no worker is left with one at the end
     order = sorted(range(len(tasks)), key=lambda i: -cost[i])
@@ -329,10 +334,12 @@ def search(
         if isinstance(measured, ValueError):  # the planner or the model refuses this setting: the others still count
             skipped.append(f"{at.label}, ac={at.ac or 'off'}{', dp_replicate > 1' if at.replicated else ''}: {_short(measured)}")
             continue
-        full_at = fulls_at[at.tp]
+        known = fulls[(at.tp, at.group[0][1] > 1)]
+        assert known is not None  # a setting is only made for a whole model that planned
+        _, full_at = known
         flops = step_flops(flops_params, batch * seq, at.ac) / (at.tp * at.cp)  # TP and CP split every matmul
-        for mesh in at.group:
-            shards = full_at(mesh["dp_shard"] * at.cp)
+        for mesh, ep in at.group:
+            shards = full_at(mesh["dp_shard"] * at.cp, ep)
             pp = mesh.get("pp", 1)
             try:
                 evaluated = [
@@ -367,6 +374,76 @@ def search(
     )
 
 
+def _with_ep(
+    tp_meshes: Sequence[dict[str, int]], eps: Sequence[int], hugging_face: bool, skipped: list[str]
+) -> list[tuple[dict[str, int], int]]:
+    """The (mesh, ep) candidates of one ``tp`` x ``cp``: ``ep`` must divide
+    the mesh's shard x TP ranks (the experts' mesh regroups them), and a
+    pipeline takes neither a MoE mesh nor, in a Hugging Face model, TP
+    (its stages run TP without sequence parallelism, which is not traced).
+    What is left out is said in ``skipped``."""
+    pairs = []
+    for ep in eps:
+        for m in tp_meshes:
+            tp, pp = m.get("tp", 1), m.get("pp", 1)
+            if (m["dp_shard"] * tp) % ep:
+                skipped.append(f"--mesh {_mesh_text(m)}: ep={ep} does not divide its dp_shard x tp ranks")
+            elif pp == 1:
+                pairs.append((m, ep))
+        staged = [m for m in tp_meshes if m.get("pp", 1) > 1 and (m["dp_shard"] * m.get("tp", 1)) % ep == 0]
+        tp = tp_meshes[0].get("tp", 1) if tp_meshes else 1
+        if staged and ep > 1:
+            skipped.append(f"tp={tp} with pp: the dry run plans no pipeline with a MoE mesh (ep={ep})")
+        elif staged and hugging_face and tp > 1:
+            skipped.append(
+                f"tp={tp} with pp: a Hugging Face model's pipeline stages run TP without sequence parallelism, "
+                "which --fit does not trace"
+            )
+        else:
+            pairs += [(m, ep) for m in staged]
+    return pairs
+
+
+def _whole(
+    build: Callable[[int | None], nn.Module], tp: int, eps: Sequence[int], config: Callable[..., Any], skipped: list[str]
+) -> tuple[Plan, Callable[[int, int], dict[str, ParamShard]]] | None:
+    """The whole model's plan at ``tp`` (experts on their own mesh when the
+    ``eps`` split them) and its exact shards at any shard count for each
+    of ``eps``; ``None``, said in ``skipped``, when the planner refuses it
+    (a TP plan or an ``ep`` that does not divide)."""
+    from ._run import dry_run
+
+    model = build(None)
+    try:
+        full = dry_run(model, *trace_mesh(tp, 2, False), config(sequence_parallel=tp > 1), moe=trace_moe(tp, 2, False, max(eps)))
+        by_ep = {ep: shards_for(model, full.plan, full.dims, ep) for ep in eps}
+    except ValueError as e:
+        skipped.append(f"tp={tp}: {_short(e)}")
+        return None
+    return full.plan, lambda shards, ep: by_ep[ep](shards)
+
+
+def auto_ep_sizes(model: nn.Module, plan: Plan) -> tuple[int, ...]:
+    """``--ep auto``: 1, and each of :data:`EP_SIZES` that divides every
+    expert count of ``model`` (planned as ``plan``; its experts as the
+    manager finds them: declared, else transformers' plans); a model
+    without experts: 1 alone."""
+    from ..hf import hf_expert_modules
+    from ..model._index import PlanningError
+    from ..plan.transforms import expert_parallel
+
+    declared = getattr(model, "_fsdptx_expert_modules", None)
+    globs = tuple(declared) if declared else hf_expert_modules(model)
+    if not globs:
+        return (1,)
+    try:
+        split = expert_parallel(model, plan, expert_modules=globs).expert_parallel
+    except PlanningError:
+        return (1,)
+    counts = () if split is None else split.num_experts
+    return (1, *(s for s in EP_SIZES if counts and all(n % s == 0 for n in counts)))
+
+
 @dataclass(frozen=True)
 class _Setting:
     """One traced setting of the search and the meshes its traces stand for."""
@@ -375,7 +452,7 @@ class _Setting:
     cp: int
     ac: str | bool
     replicated: bool
-    group: tuple[dict[str, int], ...]
+    group: tuple[tuple[dict[str, int], int], ...]  # (mesh, ep)
     plan: Plan  # the whole model's, for FSDP's traffic
     label: str
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..core._sizes import format_bytes
 from ._common import UsageError, mp_policy
-from ._fit_dims import CP_MIN_SEQ, CP_SIZES, PP_SIZES, parse_sizes
+from ._fit_dims import CP_MIN_SEQ, CP_SIZES, PP_SIZES, parse_ep, parse_sizes
 from ._fit import DEFAULT_HEADROOM, matmul_params, parse_fit, parse_headroom, search
 from ._hardware import DEFAULT_GPU, SELECTIVE_RECOMPUTE, hardware
 from ._workers import available_cpus
@@ -53,6 +53,7 @@ def run_fit(args: Any) -> str:
     try:
         cp_sizes = parse_sizes(args.fit_cp or "auto", "--fit-cp", CP_SIZES if seq >= CP_MIN_SEQ else ())
         pp_sizes = parse_sizes(args.fit_pp or "auto", "--fit-pp", PP_SIZES)
+        ep_sizes = parse_ep(args.ep or "auto")
     except ValueError as e:
         raise UsageError(str(e)) from None
     model, name = build_model(args)
@@ -81,7 +82,7 @@ def run_fit(args: Any) -> str:
             hardware=hw,
             flops_params=matmul_params(model),
             headroom=headroom,
-            ep=args.ep,
+            ep_sizes=ep_sizes,
             cp_sizes=cp_sizes,
             pp_sizes=tuple(p for p in pp_sizes if layers is None or p <= layers),
             schedule=args.schedule or "1F1B",

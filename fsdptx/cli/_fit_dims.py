@@ -61,6 +61,7 @@ __all__ = [
     "cp_ring_bytes",
     "p2p_bytes",
     "evaluate_pipeline",
+    "parse_ep",
     "parse_sizes",
     "pipeline_peak",
     "pipes",
@@ -97,6 +98,24 @@ def parse_sizes(text: str, option: str, auto: Sequence[int]) -> tuple[int, ...]:
     if not sizes or sizes[0] < 1:
         raise ValueError(f"{option} {text!r}: sizes must be integers >= 1")
     return tuple(s for s in sizes if s > 1)
+
+
+def parse_ep(text: str) -> tuple[int, ...] | None:
+    """``--ep`` under ``--fit``: ``auto`` (``None``: the search picks from
+    the model's expert counts) or the sizes to try, 1 included if given.
+
+    Raises:
+        ValueError: naming the option and the text.
+    """
+    if text.strip() == "auto":
+        return None
+    try:
+        sizes = tuple(sorted({int(t) for t in text.split(",")}))
+    except ValueError:
+        raise ValueError(f"malformed --ep {text!r}: expected auto, a size such as 8 or sizes such as 1,8") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"--ep {text!r}: sizes must be integers >= 1")
+    return sizes
 
 
 def cp_ring_bytes(ring: RingAttention, layers: int, ac: str | bool) -> int:
@@ -278,7 +297,7 @@ def evaluate_pipeline(
     tp_comm: list[tuple[int, float]] = []
     for traced in measured.traces:
         trace = traced.trace(shard)
-        _, _, at_peak = rescale(trace, traced=traced_steady(trace), target=steady_bytes(traced.shards[shard], optimizer))
+        _, _, at_peak = rescale(trace, traced=traced_steady(trace), target=steady_bytes(traced.shards[(shard, 1)], optimizer))
         # transients: the operators' temporaries and inputs grow with the tokens (the largest the
         # step holds: a stage may peak where the whole model does not, at its head), the buffers of
         # a unit's collectives and its unsharded gradients with its parameters (as at the peak)

@@ -62,11 +62,13 @@ class Traced:
 
     layers: int
     points: Mapping[int, Trace]
-    shards: Mapping[int, dict[str, ParamShard]]
+    shards: Mapping[tuple[int, int], dict[str, ParamShard]]  # by (FSDP shard count, ep)
     series: ShardSeries | None
 
     @classmethod
-    def of(cls, layers: int, points: Mapping[int, Trace], shards: Mapping[int, dict[str, ParamShard]]) -> Traced:
+    def of(
+        cls, layers: int, points: Mapping[int, Trace], shards: Mapping[tuple[int, int], dict[str, ParamShard]]
+    ) -> Traced:
         """The entry, with the reference pair's series when both are traced and are the same step."""
         series = None
         a, b = REFERENCE_SHARDS
@@ -201,17 +203,18 @@ def measure(
     batch_seq: tuple[int, int],
     ep: int,
     cp: int = 1,
-    needed: Iterable[int] = (),
+    needed: Iterable[tuple[int, int]] = (),
 ) -> Measured:
     """Trace the step of one setting at every block count and shard count,
-    with the traced model's shards at each shard count in ``needed``."""
+    with the traced model's shards at each (shard count, ep) in ``needed``
+    (any ep > 1 traces alike: the experts whole, on a MoE mesh of their own)."""
     from ._run import dry_run
 
     needed = sorted(set(needed))
     traced = []
     for n in counts:
         by_shards: dict[int, Trace] = {}
-        shards_at = None
+        model = plan = dims = None
         for shards in points:
             model = build(n)
             if ac:
@@ -221,7 +224,8 @@ def measure(
             if run.trace is None:  # dry_run traces whenever batch_seq is given
                 raise RuntimeError(f"no trace for tp={tp}, activation_checkpointing={ac!r}")
             by_shards[shards] = run.trace
-            shards_at = shards_for(model, run.plan, run.dims, ep)  # the same plan at every shard count
-        assert shards_at is not None  # points is never empty: every group has a mesh
-        traced.append(Traced.of(n or 0, by_shards, {s: shards_at(s) for s in needed}))
+            plan, dims = run.plan, run.dims  # the same plan at every shard count
+        assert model is not None and plan is not None  # points is never empty: every group has a mesh
+        at = {e: shards_for(model, plan, dims, e) for e in {e for _, e in needed}}
+        traced.append(Traced.of(n or 0, by_shards, {(s, e): at[e](s) for s, e in needed}))
     return Measured(tuple(traced))

@@ -360,8 +360,6 @@ def run_plan(args: argparse.Namespace) -> str:
                 "--fit list and run plan with its options and --html FILE"
             )
         pipeline_config(args, None)  # refuses the pipeline options --fit does not search
-        if args.ep < 1:
-            raise UsageError(f"--ep must be >= 1, got {args.ep}")
         if args.cp_rotate is not None:
             raise UsageError(
                 "--fit traces its cp candidates with torch's default allgather rotation; plan one cp mesh with --cp-rotate"
@@ -374,11 +372,11 @@ def run_plan(args: argparse.Namespace) -> str:
         if args.moe_mesh is not None:
             raise UsageError(
                 "--fit derives each candidate's MoE mesh itself and would ignore --moe-mesh; use --ep N to "
-                "split the experts across N ranks in every candidate"
+                "split the experts across N ranks in every candidate (--ep 1,2,4 to try several)"
             )
 
         return run_fit(args)
-    if args.ep != 1:
+    if args.ep not in (None, "1"):
         raise UsageError("--ep applies to --fit; for one mesh give --moe-mesh with an ep axis")
     given = [f"--{k.replace('_', '-')}" for k in _FIT_ONLY if getattr(args, k) is not None]
     if given:

@@ -91,11 +91,10 @@ def build_parser() -> _Parser:
     )
     p.add_argument(
         "--ep",
-        type=int,
-        default=1,
-        metavar="N",
-        help="with --fit: split the experts across N ranks in every candidate (MoE mesh "
-        "[dp_replicate x] ep_shard x ep, ep taken from dp_shard x tp; default 1: experts in their blocks)",
+        metavar="SIZES",
+        help="with --fit: the expert-parallel sizes its candidates split the experts across (MoE mesh "
+        "[dp_replicate x] ep_shard x ep, ep taken from dp_shard x tp): auto (default: 1, and 2, 4, 8 where they "
+        "divide the expert counts of a model with experts), N, or a list such as 1,8; 1: experts in their blocks",
     )
     fit = p.add_argument_group(
         "--fit's step-time model", "rank what fits by a predicted step's throughput: a ranking aid, not a measurement"

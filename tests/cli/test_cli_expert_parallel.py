@@ -114,3 +114,57 @@ def test_ep_without_fit_and_moe_mesh_with_fit_are_refused(capsys: pytest.Capture
     assert code == 2 and "--ep applies to --fit" in err
     code, _, err = _plan(capsys, "--fit", "4x1GiB", "--moe-mesh", "dp_shard=2,ep=2")
     assert code == 2 and "use --ep N" in err
+
+
+def _fit(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
+    code, out, err = _plan(capsys, "--seq", "16", "--fit-pp", "1", "--json", *argv)
+    assert code == 0, err
+    return json.loads(out)["fit"]  # type: ignore[no-any-return]
+
+
+def _eps(fit: dict[str, object]) -> set[int]:
+    listed = [*fit["fitting"], *fit["not_fitting"]]  # type: ignore[misc]
+    return {c["moe_mesh"]["ep"] if c["moe_mesh"] else 1 for c in listed}
+
+
+def test_fit_tries_each_expert_parallel_size_that_divides_the_experts_by_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """8 experts on 4 GPUs: ep 1 (experts in their blocks), 2 and 4 (not 8:
+    more ranks than the world); the same candidates as asking for those
+    sizes, and each ep's candidates those of ``--ep N`` alone."""
+    auto = _fit(capsys, "--fit", "4x1GiB")
+    assert _eps(auto) == {1, 2, 4}
+    assert not any("ep=8" in s for s in auto["skipped"])  # type: ignore[attr-defined]
+    listed = _fit(capsys, "--fit", "4x1GiB", "--ep", "1,2,4")
+    assert auto["fitting"] == listed["fitting"] and auto["not_fitting"] == listed["not_fitting"]
+    only = _fit(capsys, "--fit", "4x1GiB", "--ep", "2")
+    assert _eps(only) == {2}
+    picked = [c for c in [*auto["fitting"], *auto["not_fitting"]] if c["moe_mesh"] and c["moe_mesh"]["ep"] == 2]
+    assert sorted(map(json.dumps, picked)) == sorted(map(json.dumps, [*only["fitting"], *only["not_fitting"]]))
+
+
+def test_fit_tries_no_expert_split_on_a_model_without_experts(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--preset", "llama", "--layers", "2", "--seq", "64", "--fit", "4x8GiB", "--fit-pp", "1", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    fit = json.loads(out)["fit"]
+    assert fit["fitting"] and all(c["moe_mesh"] is None for c in [*fit["fitting"], *fit["not_fitting"]])
+
+
+@pytest.mark.parametrize(
+    ("ep", "says"),
+    [("two", "malformed --ep 'two'"), ("0", "--ep '0': sizes must be integers >= 1")],
+)
+def test_bad_expert_parallel_sizes_are_refused_in_one_line(capsys: pytest.CaptureFixture[str], ep: str, says: str) -> None:
+    code, out, err = _plan(capsys, "--fit", "4x1GiB", "--ep", ep)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert says in err, err
+
+
+def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_skipped_with_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fit = _fit(capsys, "--fit", "6x1GiB", "--ep", "1,3")
+    assert _eps(fit) == {1}
+    assert any("cannot be split evenly across ep=3" in s or "does not divide the expert count" in s for s in fit["skipped"]), fit["skipped"]
