@@ -29,10 +29,8 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdptx

@@ -12,7 +12,6 @@ state are not. Bad input must fail before the model is touched.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
