@@ -3,7 +3,11 @@
 Per-rank memory over the step as stacked areas by category (forward per
 unit, backward per unit, optimizer step) with the peak marked, the
 collectives on the same time axis (FSDP all-gathers and reduce-scatters,
-TP redistributions, replica all-reduces), and the plan's unit table. Inline
+TP redistributions, replica all-reduces, the experts' all-to-alls), and the
+plan's unit table. Under context parallelism a lane shows ring attention's
+rotations per attention layer, modelled (no CPU kernel runs them) and
+labelled so; with pipeline stages the page has one chart per stage, its
+schedule's forwards and backwards and its P2P transfers on lanes. Inline
 SVG and a few lines of JS for a readout under the pointer: no network, no
 CDN, so the file opens anywhere, also on an air-gapped cluster.
 """
@@ -13,11 +17,12 @@ from __future__ import annotations
 import html
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ._trace import CATEGORIES, RING_BUFFERS, Collective, Sample, where_label
 
-__all__ = ["render_html", "write_html"]
+__all__ = ["Lane", "Mark", "cp_lane", "render_html", "render_pipeline_html", "write_html", "write_pipeline_html"]
 
 WIDTH, HEIGHT, LANE = 1100, 320, 18
 MAX_POINTS = 1200
@@ -42,6 +47,27 @@ _OPS = {"all_gather": "#f58518", "reduce_scatter": "#e45756", "all_reduce": "#54
 _PHASES = {"forward": "#eef4fb", "backward": "#fbf0ee", "tp_sync": "#f6f0fb", "optimizer": "#eef8ec"}
 
 
+@dataclass(frozen=True)
+class Mark:
+    """Something on a lane of the time axis, from sample ``start`` to
+    ``end`` (the samples' ``index``), with a tooltip."""
+
+    start: int
+    end: int
+    color: str
+    title: str
+
+
+@dataclass(frozen=True)
+class Lane:
+    """A row of marks under the chart, for what the trace's collectives do
+    not show: modelled communication (CP's ring rotations) or a pipeline
+    stage's schedule and its point-to-point transfers."""
+
+    name: str
+    marks: tuple[Mark, ...]
+
+
 def _bucketed(samples: Sequence[Sample]) -> list[Sample]:
     step = max(1, -(-len(samples) // MAX_POINTS))
     return [max(samples[i : i + step], key=lambda s: s.total) for i in range(0, len(samples), step)]
@@ -51,7 +77,9 @@ def _x(index: int, last: int) -> float:
     return 60 + (WIDTH - 80) * index / max(1, last)
 
 
-def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], peak_at: str) -> str:
+def _memory_svg(
+    samples: Sequence[Sample], collectives: Sequence[Collective], peak_at: str, lanes: Sequence[Lane] = (), key: str = ""
+) -> str:
     from ..core._sizes import format_bytes
 
     last = max([s.index for s in samples] + [c.index for c in collectives] + [1])
@@ -103,10 +131,10 @@ def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], pe
                 f'fill="{shade}"><title>{title}</title></rect>'
             )
             start = i
-    # collectives lanes
-    lanes = sorted({c.source for c in collectives})
+    # collectives lanes, then the given ones
+    sources = sorted({c.source for c in collectives})
     base = HEIGHT + 26 + LANE
-    for n, source in enumerate(lanes):
+    for n, source in enumerate(sources):
         ly = base + n * LANE
         parts.append(f'<text x="4" y="{ly + 12}" class="axis">{source}</text>')
         for c in (c for c in collectives if c.source == source):
@@ -116,17 +144,37 @@ def _memory_svg(samples: Sequence[Sample], collectives: Sequence[Collective], pe
             parts.append(
                 f'<rect x="{cx:.1f}" y="{ly}" width="2" height="{LANE - 4}" fill="{color}"><title>{title}</title></rect>'
             )
-    height = base + max(1, len(lanes)) * LANE + 10
+    base += max(1, len(sources)) * LANE
+    for n, lane in enumerate(lanes):
+        ly = base + n * LANE
+        parts.append(f'<text x="4" y="{ly + 12}" class="axis">{html.escape(lane.name)}</text>')
+        for mark in lane.marks:
+            x0, x1 = _x(mark.start, last), _x(mark.end, last)
+            parts.append(
+                f'<rect x="{x0:.1f}" y="{ly}" width="{max(2.0, x1 - x0):.1f}" height="{LANE - 4}" fill="{mark.color}" '
+                f'opacity="0.8"><title>{html.escape(mark.title)}</title></rect>'
+            )
+    height = base + len(lanes) * LANE + 10
     legend = "".join(
         f'<span class="key"><i style="background:{_COLORS[k]}"></i>{k}</span>' for k in keys
     ) + "".join(f'<span class="key"><i style="background:{c}"></i>{op}</span>' for op, c in _OPS.items())
     return (
-        f'<svg id="step" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
-        f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="memory per rank over one training step">'
+        f'<svg id="step{key}" class="step" data-key="{key}" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" '
+        f'height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="memory per rank over one training step">'
         + "".join(parts)
-        + f'<line id="cursor" x1="0" x2="0" y1="20" y2="{height}" class="cursor"/></svg>'
+        + f'<line id="cursor{key}" x1="0" x2="0" y1="20" y2="{height}" class="cursor"/></svg>'
         + f'<div class="legend">{legend}</div>'
+        + f'<div id="readout{key}" class="readout"></div>'
+        + f'<script type="application/json" id="points{key}">{_safe_json(_points(samples, collectives))}</script>'
     )
+
+
+def _points(samples: Sequence[Sample], collectives: Sequence[Collective]) -> list[list[object]]:
+    """The readout under the pointer: x and what is held there, per drawn sample."""
+    from ..core._sizes import format_bytes
+
+    last = max([s.index for s in samples] + [c.index for c in collectives] + [1])
+    return [[round(_x(s.index, last), 1), f"{where_label(s)}: {format_bytes(s.total)}"] for s in _bucketed(samples)]
 
 
 def _table(data: dict[str, Any]) -> str:
@@ -156,16 +204,20 @@ def _table(data: dict[str, Any]) -> str:
 
 _SCRIPT = """
 (function () {
-  var svg = document.getElementById("step"), cursor = document.getElementById("cursor");
-  var out = document.getElementById("readout"), pts = JSON.parse(document.getElementById("points").textContent);
-  svg.addEventListener("mousemove", function (ev) {
-    var box = svg.getBoundingClientRect(), x = (ev.clientX - box.left) * svg.viewBox.baseVal.width / box.width;
-    var best = pts[0];
-    for (var i = 0; i < pts.length; i++) { if (Math.abs(pts[i][0] - x) < Math.abs(best[0] - x)) { best = pts[i]; } }
-    cursor.setAttribute("x1", best[0]); cursor.setAttribute("x2", best[0]);
-    out.textContent = best[1];
+  var charts = document.querySelectorAll("svg.step");
+  charts.forEach(function (svg) {
+    var key = svg.getAttribute("data-key"), cursor = document.getElementById("cursor" + key);
+    var out = document.getElementById("readout" + key);
+    var pts = JSON.parse(document.getElementById("points" + key).textContent);
+    svg.addEventListener("mousemove", function (ev) {
+      var box = svg.getBoundingClientRect(), x = (ev.clientX - box.left) * svg.viewBox.baseVal.width / box.width;
+      var best = pts[0];
+      for (var i = 0; i < pts.length; i++) { if (Math.abs(pts[i][0] - x) < Math.abs(best[0] - x)) { best = pts[i]; } }
+      cursor.setAttribute("x1", best[0]); cursor.setAttribute("x2", best[0]);
+      out.textContent = best[1];
+    });
+    out.textContent = pts.length + " samples; point at the chart for the memory at that moment";
   });
-  out.textContent = pts.length + " samples; point at the chart for the memory at that moment";
   document.body.setAttribute("data-ready", "1");
 })();
 """
@@ -179,7 +231,7 @@ td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
 .cursor{stroke:#000;stroke-width:1;opacity:.4}
 .legend{margin:6px 0}.key{margin-right:12px;font-size:12px}
 .key i{display:inline-block;width:10px;height:10px;margin-right:4px}
-#readout{font-family:monospace;min-height:1.4em}
+.readout{font-family:monospace;min-height:1.4em}
 """
 
 
@@ -188,26 +240,37 @@ def _safe_json(value: object) -> str:
     return json.dumps(value).replace("</", "<\\/")
 
 
-def render_html(data: dict[str, Any], samples: Sequence[Sample], collectives: Sequence[Collective]) -> str:
+def render_html(
+    data: dict[str, Any], samples: Sequence[Sample], collectives: Sequence[Collective], lanes: Sequence[Lane] = ()
+) -> str:
     """The page for report ``data`` (with traced ``"memory"``) and its trace.
 
     Args:
         data: the report as :func:`fsdptx.cli._main.report` returns it.
         samples: the traced memory samples.
         collectives: the traced collectives.
+        lanes: rows of modelled events under the collectives (:func:`cp_lane`).
 
     Returns:
         The whole HTML document.
     """
+    mesh = ", ".join(f"{k}={v}" for k, v in data["mesh"].items())
+    title = html.escape(f"fsdptx plan: {data['model']} on {mesh}")
+    return _page(title, _intro(data["memory"]) + _memory_svg(samples, collectives, data["memory"]["peak_at"], lanes) + f"<h2>Plan</h2>{_table(data)}")
+
+
+def _page(title: str, body: str) -> str:
+    return (
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{title}</title><style>{_STYLE}</style></head><body>"
+        f"<h1>{title}</h1>{body}<script>{_SCRIPT}</script></body></html>"
+    )
+
+
+def _intro(m: dict[str, Any], what: str = "One training step per rank (rank 0)") -> str:
+    """The step's figures and what was estimated instead of traced."""
     from ..core._sizes import format_bytes
 
-    m = data["memory"]
-    last = max([s.index for s in samples] + [c.index for c in collectives] + [1])
-    points = [
-        [round(_x(s.index, last), 1), f"{where_label(s)}: {format_bytes(s.total)}"]
-        for s in _bucketed(samples)
-    ]
-    mesh = ", ".join(f"{k}={v}" for k, v in data["mesh"].items())
     figures = [
         ("parameters", m["params_bytes"]),
         ("gradients", m["grads_bytes"]),
@@ -216,21 +279,110 @@ def render_html(data: dict[str, Any], samples: Sequence[Sample], collectives: Se
         ("peak", m["peak_bytes"]),
     ]
     summary = "".join(f"<tr><th>{k}</th><td>{html.escape(format_bytes(v))}</td></tr>" for k, v in figures)
-    notes = "".join(f"<li>estimated: {html.escape(n)}</li>" for n in m["estimated"])
-    title = html.escape(f"fsdptx plan: {data['model']} on {mesh}")
+    notes = "".join(f"<li>estimated: {html.escape(n)}</li>" for n in m.get("estimated", ()))
+    shape = f"batch {m['batch']}" if "batch" in m else f"micro-batches of {m['microbatch']}"
     return (
-        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f"<title>{title}</title><style>{_STYLE}</style></head><body>"
-        f"<h1>{title}</h1>"
-        f"<p>One training step per rank (rank 0), batch {m['batch']} x seq {m['seq']} per data-parallel rank, "
+        f"<p>{html.escape(what)}, {shape} x seq {m['seq']} per data-parallel rank, "
         f"traced under FakeTensorMode. Peak {html.escape(format_bytes(m['peak_bytes']))} in the "
         f"{html.escape(m['peak_at'])}.</p>"
         f"<table>{summary}</table><ul>{notes}</ul>"
-        + _memory_svg(samples, collectives, m["peak_at"])
-        + '<div id="readout"></div>'
-        + f'<script type="application/json" id="points">{_safe_json(points)}</script>'
-        + f"<h2>Plan</h2>{_table(data)}<script>{_SCRIPT}</script></body></html>"
     )
+
+
+def cp_lane(ring: Any, samples: Sequence[Sample]) -> Lane:
+    """Ring attention's rotations on the time axis, per attention layer and
+    phase where its FSDP unit runs: modelled (torch's ring attention has no
+    CPU kernels, so the trace has none of its collectives), from the same
+    :class:`fsdptx.cli._ring.RingAttention` that sizes its buffers.
+
+    Forward receives K and V of the other ``cp - 1`` ranks' tokens (all at
+    once under ``allgather``, a chunk pair per step under ``alltoall``);
+    backward receives them again and passes the fp32 dK/dV chunks around
+    the ring."""
+    from ..core._sizes import format_bytes
+
+    marks: list[Mark] = []
+    share = (ring.cp - 1) / ring.cp
+    for layer in ring.layers:
+        kv = int(ring.batch * ring.seq * layer.kv_bytes_per_token * share)
+        dkv = int(2 * ring.batch * ring.seq * layer.kv_width * 4 * share)
+        for phase, received, color in (("forward", kv, "#eeca3b"), ("backward", kv + dkv, "#c9a227")):
+            spans = [s.index for s in samples if s.phase == phase and s.unit == layer.unit]
+            if not spans:
+                continue
+            what = "K/V" if phase == "forward" else "K/V again and the dK/dV chunks"
+            marks.append(
+                Mark(
+                    min(spans),
+                    max(spans),
+                    color,
+                    f"{layer.module} ({phase}): ring attention receives {what}, {format_bytes(received)} over "
+                    f"cp={ring.cp} ({ring.rotate_method} rotation); modelled, not traced",
+                )
+            )
+    return Lane(f"cp ring (modelled, {ring.rotate_method})", tuple(marks))
+
+
+def _stage_lanes(stage: Any, stage_index: int, last_stage: int) -> tuple[Lane, ...]:
+    """A pipeline stage's schedule (each forward and backward of a
+    micro-batch where it ran in the trace) and its point-to-point
+    transfers: activations in before a forward and out after it, their
+    gradients the other way round a backward."""
+    from ..core._sizes import format_bytes
+
+    samples = stage.trace.samples
+    actions, p2p = [], []
+    got = 0 if stage.received is None else stage.received.nbytes
+    sent = 0 if stage.sent is None else stage.sent.nbytes
+    for (kind, mb), (first, stop) in zip(stage.actions, stage.spans):
+        if stop <= first:
+            continue
+        a, b = samples[first].index, samples[stop - 1].index
+        forward = kind == "F"
+        actions.append(Mark(a, b, "#9ecae9" if forward else "#fdae6b", f"{'forward' if forward else 'backward'} of micro-batch {mb}"))
+        recv = got if forward and stage_index > 0 else sent if not forward and stage_index < last_stage else 0
+        send = sent if forward and stage_index < last_stage else got if not forward and stage_index > 0 else 0
+        grad = "" if forward else "gradient of the "
+        if recv:
+            peer = stage_index - 1 if forward else stage_index + 1
+            p2p.append(Mark(a, a, "#3182bd", f"receive the {grad}activations of micro-batch {mb} from stage {peer}: {format_bytes(recv)}"))
+        if send:
+            peer = stage_index + 1 if forward else stage_index - 1
+            p2p.append(Mark(b, b, "#e6550d", f"send the {grad}activations of micro-batch {mb} to stage {peer}: {format_bytes(send)}"))
+    return (Lane("schedule", tuple(actions)), Lane("pp p2p", tuple(p2p)))
+
+
+def render_pipeline_html(data: dict[str, Any], stages: Sequence[Any]) -> str:
+    """The page of a pipelined dry run: each stage's traced step (its
+    schedule's forwards and backwards, P2P transfers and collectives on
+    its time axis), the peak stage first named.
+
+    Args:
+        data: the report as :func:`fsdptx.cli._pipeline.pipeline_report` returns it.
+        stages: the dry run's :class:`fsdptx.cli._pipeline.StageRun` list, traced.
+
+    Returns:
+        The whole HTML document.
+    """
+    from ..core._sizes import format_bytes
+
+    mesh = ", ".join(f"{k}={v}" for k, v in data["mesh"].items())
+    pipe = data["pipeline"]
+    title = html.escape(f"fsdptx plan: {data['model']} on {mesh}")
+    top = data["memory"]
+    body = (
+        f"<p>{pipe['size']} pipeline stages, schedule {html.escape(pipe['schedule'])}, {pipe['microbatches']} "
+        f"micro-batches; the busiest rank peaks at {html.escape(format_bytes(top['peak_bytes']))} in stage "
+        f"{top['peak_stage']} ({html.escape(top['peak_at'])}).</p>"
+    )
+    last = len(stages) - 1
+    for run, stage in zip(stages, data["stages"]):
+        m = stage["memory"]
+        body += f"<h2>Stage {stage['index']} (pp rank {stage['rank']}){' &mdash; the peak' if stage['index'] == top['peak_stage'] else ''}</h2>"
+        body += _intro(m, f"Stage {stage['index']}'s step on one rank, every micro-batch of it")
+        body += _memory_svg(run.trace.trace.samples, run.trace.trace.collectives, m["peak_at"], _stage_lanes(run.trace, stage["index"], last) if run.trace else (), key=str(stage["index"]))
+        body += f"<h3>Units</h3>{_table(stage)}"
+    return _page(title, body)
 
 
 def write_html(path: str, data: dict[str, Any], run: Any) -> None:
@@ -239,8 +391,24 @@ def write_html(path: str, data: dict[str, Any], run: Any) -> None:
 
     if run.trace is None:
         raise UsageError("--html needs a traced step; this dry run traced none")
+    lanes = () if run.trace.ring is None else (cp_lane(run.trace.ring, run.trace.samples),)
+    _write(path, render_html(data, run.trace.samples, run.trace.collectives, lanes))
+
+
+def write_pipeline_html(path: str, data: dict[str, Any], run: Any) -> None:
+    """Write :func:`render_pipeline_html` of a pipelined dry run that traced its stages to ``path``."""
+    from ._common import UsageError
+
+    if any(s.trace is None for s in run.stages):
+        raise UsageError("--html needs a traced step; this dry run traced none")
+    _write(path, render_pipeline_html(data, run.stages))
+
+
+def _write(path: str, page: str) -> None:
+    from ._common import UsageError
+
     try:
         with open(path, "w", encoding="utf-8") as f:
-            f.write(render_html(data, run.trace.samples, run.trace.collectives))
+            f.write(page)
     except OSError as e:
         raise UsageError(f"cannot write --html {path!r}: {e.strerror}; choose a writable path") from None

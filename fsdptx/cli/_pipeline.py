@@ -106,12 +106,10 @@ def pipeline_config(args: argparse.Namespace, names: Sequence[str] | None) -> Pi
         if given:
             raise UsageError(f"{', '.join(given)} apply to a --mesh with a pp axis, e.g. --mesh pp=2,dp=4")
         return None
-    for flag, reason in (
-        ("moe_mesh", "--moe-mesh with a pp axis: the dry run does not place experts on pipeline stages"),
-        ("html", "--html draws one rank's step; with a pp axis use --json, which has every stage's figures"),
-    ):
-        if getattr(args, flag) is not None:
-            raise UsageError(f"{reason}; drop {'--' + flag.replace('_', '-')} or the pp axis")
+    if args.moe_mesh is not None:
+        raise UsageError(
+            "--moe-mesh with a pp axis: the dry run does not place experts on pipeline stages; drop --moe-mesh or the pp axis"
+        )
     for flag in ("microbatches", "stages_per_rank", "layers_per_stage"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -601,6 +599,10 @@ def run_pipeline_plan(
     except (ValueError, PlanningError) as e:  # the planner's own message names what to change
         raise UsageError(f"cannot plan {name}: {_one_line(e)}") from None
     data = pipeline_report(name, shape, names, run, args.optimizer, report, offload=args.offload)
+    if args.html is not None:
+        from ._html import write_pipeline_html
+
+        write_pipeline_html(args.html, data, run)
     if args.json:
         return json.dumps({**data, "plan": plan_document(run.plan)}, indent=2)
     return render_pipeline(data, run.plan)

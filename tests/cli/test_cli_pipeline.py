@@ -150,7 +150,6 @@ def test_pipeline_options_fit_does_not_search_are_refused_in_one_line(capsys: py
         (("--mesh", "pp=2,dp=1", "--microbatches", "0"), "--microbatches must be >= 1"),
         (("--mesh", "pp=4,dp=1"), "2 blocks cannot fill 4 stages"),
         (("--layers", "4", "--mesh", "pp=3,dp=1", "--layers-per-stage", "1"), "layers_per_stage=1 over 3 stages does not fit 4 blocks"),
-        (("--mesh", "pp=2,dp=2", "--html", "x.html"), "--html draws one rank's step"),
         (("--mesh", "pp=2,dp=2", "--moe-mesh", "dp=4"), "--moe-mesh with a pp axis"),
         (("--mesh", "pp=2,tp=2"), "has no data-parallel axis"),
     ],
