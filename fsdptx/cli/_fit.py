@@ -286,7 +286,9 @@ def search(
     )
     every = meshes(gpus, cp_sizes, tuple(by_pp))
     if ep_sizes is None:
-        planned = dry_run(build(None), *trace_mesh(1, 2, False), config()).plan
+        def planned() -> Plan:
+            return dry_run(build(None), *trace_mesh(1, 2, False), config()).plan
+
         eps = tuple(e for e in auto_ep_sizes(build(None), planned) if e <= gpus)  # a model the dry run has not parallelized
     else:
         eps = tuple(sorted(set(ep_sizes)))
@@ -423,11 +425,11 @@ def _whole(
     return full.plan, lambda shards, ep: by_ep[ep](shards)
 
 
-def auto_ep_sizes(model: nn.Module, plan: Plan) -> tuple[int, ...]:
+def auto_ep_sizes(model: nn.Module, plan: Callable[[], Plan]) -> tuple[int, ...]:
     """``--ep auto``: 1, and each of :data:`EP_SIZES` that divides every
-    expert count of ``model`` (planned as ``plan``; its experts as the
-    manager finds them: declared, else transformers' plans); a model
-    without experts: 1 alone."""
+    expert count of ``model`` (its experts as the manager finds them:
+    declared, else transformers' plans; ``plan`` plans the model, called
+    only when it has some); a model without experts: 1 alone."""
     from ..hf import hf_expert_modules
     from ..model._index import PlanningError
     from ..plan.transforms import expert_parallel
@@ -437,7 +439,7 @@ def auto_ep_sizes(model: nn.Module, plan: Plan) -> tuple[int, ...]:
     if not globs:
         return (1,)
     try:
-        split = expert_parallel(model, plan, expert_modules=globs).expert_parallel
+        split = expert_parallel(model, plan(), expert_modules=globs).expert_parallel
     except PlanningError:
         return (1,)
     counts = () if split is None else split.num_experts
