@@ -233,7 +233,7 @@ def search(
     ep_sizes: Sequence[int] | None = (1,),
     cp_sizes: Sequence[int] = (),
     pp_sizes: Sequence[int] = (),
-    schedule: str = "1F1B",
+    schedules: Sequence[tuple[str, int]] = (("1F1B", 1),),
     microbatches: int | None = None,
     jobs: int = 1,
 ) -> FitResult:
@@ -265,7 +265,8 @@ def search(
             ``seq / cp`` with ring attention modelled).
         pp_sizes: pipeline sizes to try besides 1 (modelled from the
             traces of the same mesh without stages: :mod:`fsdptx.cli._fit_dims`).
-        schedule: the pipeline candidates' schedule (1F1B or GPipe).
+        schedules: the pipeline candidates' schedules, each with its
+            stages per rank (1F1B and GPipe: 1; Interleaved1F1B: 2 or more).
         microbatches: their micro-batches per step (``None``: ``batch``,
             one sequence each).
         jobs: processes to trace the settings in (:mod:`fsdptx.cli._workers`);
@@ -282,7 +283,7 @@ def search(
     skipped: list[str] = []
     policy = config().mp_policy
     by_pp, hugging_face = pipes(
-        build, pp_sizes, schedule, batch if microbatches is None else microbatches, batch, seq, policy, skipped
+        build, pp_sizes, schedules, batch if microbatches is None else microbatches, batch, seq, policy, skipped
     )
     every = meshes(gpus, cp_sizes, tuple(by_pp))
     if ep_sizes is None:
@@ -343,27 +344,28 @@ def search(
         for mesh, ep in at.group:
             shards = full_at(mesh["dp_shard"] * at.cp, ep)
             pp = mesh.get("pp", 1)
-            try:
-                evaluated = [
-                    evaluate(mesh, at.ac, offload, measured, shards, at.plan, layers or 0, optimizer, ep)
-                    if pp == 1
-                    else evaluate_pipeline(mesh, at.ac, offload, measured, shards, layers or 0, optimizer, by_pp[pp])
-                    for offload in (False, True)
+            for pipe in by_pp[pp] if pp > 1 else (None,):
+                try:
+                    evaluated = [
+                        evaluate(mesh, at.ac, offload, measured, shards, at.plan, layers or 0, optimizer, ep)
+                        if pipe is None
+                        else evaluate_pipeline(mesh, at.ac, offload, measured, shards, layers or 0, optimizer, pipe)
+                        for offload in (False, True)
+                    ]
+                except ValueError as e:
+                    skipped.append(f"--mesh {_mesh_text(mesh)} ac={at.ac or 'off'}: {_short(e)}")
+                    continue
+                # a pipeline rank computes its stages' blocks (the busiest rank sets the pace)
+                # and idles (pp - 1) / (stages per rank x microbatches) of that in the bubble
+                share = 1.0 if pipe is None else pipe.busiest_share
+                bubble = 0.0 if pipe is None else pipe.bubble
+                tokens = batch * seq / (at.tp * at.cp * pp)
+                candidates += [
+                    dataclasses.replace(
+                        c, step=predict(c.mesh, c.comm_bytes, flops * share, hardware, tokens=tokens, bubble=bubble)
+                    )
+                    for c in evaluated
                 ]
-            except ValueError as e:
-                skipped.append(f"--mesh {_mesh_text(mesh)} ac={at.ac or 'off'}: {_short(e)}")
-                continue
-            # a pipeline rank computes its stage's blocks (the busiest stage sets the pace)
-            # and idles (pp - 1) / microbatches of that in the bubble
-            share = 1.0 if pp == 1 else max(by_pp[pp].shares.blocks) / sum(by_pp[pp].shares.blocks)
-            bubble = 0.0 if pp == 1 else (pp - 1) / by_pp[pp].microbatches
-            tokens = batch * seq / (at.tp * at.cp * pp)
-            candidates += [
-                dataclasses.replace(
-                    c, step=predict(c.mesh, c.comm_bytes, flops * share, hardware, tokens=tokens, bubble=bubble)
-                )
-                for c in evaluated
-            ]
     return FitResult(
         gpus,
         budget,

@@ -90,7 +90,8 @@ class Candidate:
     step: StepTime | None = None  # predicted by the search's hardware model
     schedule: str | None = None  # with a pp dim: the pipeline schedule
     microbatches: int = 1  # with a pp dim: micro-batches per step
-    peak_stage: int | None = None  # with a pp dim: the stage that peaks (modelled)
+    peak_stage: int | None = None  # with a pp dim: the pp rank that peaks (modelled); one stage each: that stage
+    stages_per_rank: int = 1  # with a pp dim: the schedule's stages per rank
 
     @property
     def predicted(self) -> StepTime:
@@ -130,7 +131,8 @@ class Candidate:
             parts.append("sequence_parallel=True")
         if self.schedule is not None:
             parts.append(
-                f"pipeline_parallel=PipelineParallelConfig(schedule={self.schedule!r}, microbatches={self.microbatches})"
+                f"pipeline_parallel=PipelineParallelConfig(schedule={self.schedule!r}, microbatches={self.microbatches}"
+                + (f", stages_per_rank={self.stages_per_rank})" if self.stages_per_rank > 1 else ")")
             )
         if self.activation_checkpointing:
             parts.append(f"activation_checkpointing={self.activation_checkpointing!r}")
@@ -160,6 +162,8 @@ class Candidate:
             args.append("--sp")
         if self.schedule is not None:
             args += ["--schedule", self.schedule, "--microbatches", str(self.microbatches)]
+            if self.stages_per_rank > 1:
+                args += ["--stages-per-rank", str(self.stages_per_rank)]
         if self.activation_checkpointing:
             args += ["--ac", str(self.activation_checkpointing)]
         if self.offload:
@@ -185,7 +189,14 @@ class Candidate:
             "extrapolated": self.extrapolated,
             "pipeline": None
             if self.schedule is None
-            else {"schedule": self.schedule, "microbatches": self.microbatches, "peak_stage": self.peak_stage, "modelled": True},
+            else {
+                "schedule": self.schedule,
+                "microbatches": self.microbatches,
+                "stages_per_rank": self.stages_per_rank,
+                "peak_stage": self.peak_stage if self.stages_per_rank == 1 else None,
+                "peak_pp_rank": self.peak_stage,
+                "modelled": True,
+            },
             "config": self.config_text(),
             "argv": self.cli_args(),
         }

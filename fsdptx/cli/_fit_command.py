@@ -18,6 +18,7 @@ from ._common import UsageError, mp_policy
 from ._fit_dims import CP_MIN_SEQ, CP_SIZES, PP_SIZES, parse_ep, parse_sizes
 from ._fit import DEFAULT_HEADROOM, matmul_params, parse_fit, parse_headroom, search
 from ._hardware import DEFAULT_GPU, SELECTIVE_RECOMPUTE, hardware
+from ._pipeline import fit_schedules
 from ._workers import available_cpus
 
 __all__ = ["TIME_MODEL", "run_fit"]
@@ -85,7 +86,7 @@ def run_fit(args: Any) -> str:
             ep_sizes=ep_sizes,
             cp_sizes=cp_sizes,
             pp_sizes=tuple(p for p in pp_sizes if layers is None or p <= layers),
-            schedule=args.schedule or "1F1B",
+            schedules=fit_schedules(args),
             microbatches=args.microbatches,
             jobs=available_cpus() if args.fit_jobs is None else args.fit_jobs,
         )
@@ -184,6 +185,8 @@ TIME_MODEL = (
 def _pipeline_text(c: Any) -> str:
     if c.schedule is None:
         return ""
+    if c.stages_per_rank > 1:
+        return f" {c.schedule} ({c.stages_per_rank} stages per rank) x {c.microbatches} micro-batches (peak pp rank {c.peak_stage})"
     return f" {c.schedule} x {c.microbatches} micro-batches (peak stage {c.peak_stage})"
 
 

@@ -28,6 +28,13 @@ own split) then holds, per rank:
 
 The peak stage is the candidate's peak. Tests compare it with ``plan``
 run with the candidate's options (a traced step per stage).
+
+Interleaved 1F1B puts several stages on each rank (rank ``r`` holds
+``r``, ``r + pp``, ...): a rank's peak is the sum over its stages, their
+in-flight micro-batches counted as 1F1B over all the stages would (the
+planner's upper bound for interleaved warm-up). No traced step stands
+behind it (the dry run traces one stage per rank); its exact parts are
+compared with ``plan``'s per-rank figures.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ __all__ = [
     "CP_MIN_SEQ",
     "CP_SIZES",
     "FIT_SCHEDULES",
+    "INTERLEAVED_STAGES",
     "PP_SIZES",
     "Pipe",
     "StagePeak",
@@ -78,8 +86,14 @@ PP_SIZES = (2, 4, 8, 16)
 """``--fit-pp auto``: pipeline sizes tried (those that divide the world and
 leave each stage a block)."""
 
-FIT_SCHEDULES = ("1F1B", "GPipe")
-"""Schedules ``--fit`` models: one stage per rank."""
+FIT_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+"""Schedules ``--fit`` models: one stage per rank, and interleaved 1F1B
+with ``--stages-per-rank`` stages per rank (default
+:data:`INTERLEAVED_STAGES`)."""
+
+INTERLEAVED_STAGES = 2
+"""Stages per rank of ``--fit``'s interleaved candidates unless
+``--stages-per-rank`` says otherwise: the smallest that interleaves."""
 
 
 def parse_sizes(text: str, option: str, auto: Sequence[int]) -> tuple[int, ...]:
@@ -142,15 +156,16 @@ class StageShares:
     vocab: int | None  # the head's output width (None: not found)
 
 
-def stage_shares(model: nn.Module, pp: int, schedule: str) -> StageShares:
-    """The stages of ``model`` (unparallelized, meta is fine) on ``pp`` ranks.
+def stage_shares(model: nn.Module, pp: int, schedule: str, stages_per_rank: int = 1) -> StageShares:
+    """The stages of ``model`` (unparallelized, meta is fine) on ``pp``
+    ranks, ``stages_per_rank`` each (rank ``r`` holds stages ``r``, ``r + pp``, ...).
 
     Raises:
         PlanningError: the model cannot be split into ``pp`` stages.
     """
     index = ModelIndex.build(model)
     parts = pipeline_parts(model, index, discover_blocks(model, index))
-    split = split_stages(parts, PipelineParallelConfig(schedule=schedule), pp)
+    split = split_stages(parts, PipelineParallelConfig(schedule=schedule, stages_per_rank=stages_per_rank), pp)
     owner = {fqn: s for s, held in enumerate(split) for fqn in held}
     params: list[list[str]] = [[] for _ in split]
     for name, _ in model.named_parameters():
@@ -172,17 +187,18 @@ def stage_shares(model: nn.Module, pp: int, schedule: str) -> StageShares:
 
 @dataclass(frozen=True)
 class StagePeak:
-    """One pipeline candidate's modelled peak stage and its traffic inputs."""
+    """One pipeline candidate's modelled peak rank (its stage, with one
+    per rank) and its traffic inputs, per pp rank."""
 
     peak_bytes: int
-    stage: int
+    stage: int  # the peak pp rank; with one stage per rank also its stage
     activations_bytes: int
     params_bytes: int
     grads_bytes: int
     optimizer_bytes: int
-    gathered_bytes: tuple[int, ...]  # per stage: its units gathered (compute dtype)
-    grad_numel: tuple[int, ...]  # per stage: this TP rank's gradient elements
-    most_blocks: int
+    gathered_bytes: tuple[int, ...]  # per pp rank: its stages' units gathered (compute dtype)
+    grad_numel: tuple[int, ...]  # per pp rank: this TP rank's gradient elements
+    most_blocks: int  # the most blocks one pp rank runs
     bubble: float
 
 
@@ -207,9 +223,10 @@ def pipeline_peak(
     compute_dtype: torch.dtype | None,
     optimizer: str,
     offload: bool,
+    stages_per_rank: int = 1,
 ) -> StagePeak:
-    """The modelled per-rank peak of every stage (module docstring); the
-    largest one is returned with what it is made of.
+    """The modelled peak of every pp rank, the sum over its stages (module
+    docstring); the largest one is returned with what it is made of.
 
     Args:
         shares: the split (:func:`stage_shares`).
@@ -223,8 +240,9 @@ def pipeline_peak(
     Raises:
         ValueError: the schedule cannot run ``microbatches`` on these stages.
     """
-    pp = len(shares.blocks)
-    problem = microbatch_problem(schedule, microbatches, pp, pp)
+    stages = len(shares.blocks)
+    pp = stages // stages_per_rank
+    problem = microbatch_problem(schedule, microbatches, stages, pp)
     if problem is not None:
         raise ValueError(problem)
     act_bytes = (compute_dtype or torch.bfloat16).itemsize
@@ -235,20 +253,25 @@ def pipeline_peak(
     best: tuple[int, int, int, tuple[int, int, int]] | None = None
     gathered: list[int] = []
     grad_numel: list[int] = []
-    for s, names in enumerate(shares.params):
-        mine = {f: shards[f] for f in names if f in shards}
+    blocks: list[int] = []
+    for rank in range(pp):
+        held_stages = range(rank, stages, pp)  # loop placement
+        mine = {f: shards[f] for s in held_stages for f in shares.params[s] if f in shards}
         steady = (0, 0, 0) if offload else steady_bytes(mine, optimizer)
         held = sum(_tp_local(p, tp) * (compute_dtype or p.dtype).itemsize for p in mine.values())
         gathered.append(held)
         grad_numel.append(sum(_tp_local(p, tp) for p in mine.values() if p.requires_grad))
-        flight = in_flight_microbatches(schedule, s, pp, microbatches)
-        acts = flight * (shares.blocks[s] * block_activations + (rest_activations if s == pp - 1 else 0)) / microbatches
-        p2p = 2 * stream if 0 < s < pp - 1 else stream  # inputs and their gradients; an end stage one side
-        if s == pp - 1 and shares.vocab is not None:
-            p2p += 2 * batch * seq * ceil_div(shares.vocab, tp) * 4 // microbatches
+        blocks.append(sum(shares.blocks[s] for s in held_stages))
+        acts = p2p = 0.0
+        for s in held_stages:
+            flight = in_flight_microbatches(schedule, s, stages, microbatches)
+            acts += flight * (shares.blocks[s] * block_activations + (rest_activations if s == stages - 1 else 0)) / microbatches
+            p2p += 2 * stream if 0 < s < stages - 1 else stream  # inputs and their gradients; an end stage one side
+            if s == stages - 1 and shares.vocab is not None:
+                p2p += 2 * batch * seq * ceil_div(shares.vocab, tp) * 4 // microbatches
         peak = int(sum(steady) + held + acts + token_transient / microbatches + unit_transient + p2p)
         if best is None or peak > best[0]:
-            best = (peak, s, int(acts), steady)
+            best = (peak, rank, int(acts), steady)
     assert best is not None  # a split has at least one stage
     peak, stage, acts, (params, grads, states) = best
     return StagePeak(
@@ -260,8 +283,8 @@ def pipeline_peak(
         optimizer_bytes=states,
         gathered_bytes=tuple(gathered),
         grad_numel=tuple(grad_numel),
-        most_blocks=max(shares.blocks),
-        bubble=bubble_fraction(pp, microbatches),
+        most_blocks=max(blocks),
+        bubble=bubble_fraction(pp, microbatches, stages_per_rank),
     )
 
 
@@ -329,6 +352,7 @@ def evaluate_pipeline(
         compute_dtype=pipe.compute_dtype,
         optimizer=optimizer,
         offload=offload,
+        stages_per_rank=pipe.stages_per_rank,
     )
     busiest = found.gathered_bytes.index(max(found.gathered_bytes))
     grad_numel = found.grad_numel[busiest]
@@ -337,12 +361,12 @@ def evaluate_pipeline(
         "fsdp_reduce_scatter": ring_bytes(4 * grad_numel, shard),  # fp32, once per step
         "hsdp_all_reduce": ring_bytes(4 * grad_numel, rep, 2),
         "tp": ring_bytes(extrapolate(tp_comm, layers) * found.most_blocks / total, tp),
-        "pp_p2p": p2p_bytes(
-            pipe.shares, batch=pipe.batch, seq=pipe.seq, tp=tp, sequence_parallel=tp > 1, dtype=pipe.compute_dtype
-        ),
+        "pp_p2p": pipe.stages_per_rank  # each of the rank's stages passes its boundary on
+        * p2p_bytes(pipe.shares, batch=pipe.batch, seq=pipe.seq, tp=tp, sequence_parallel=tp > 1, dtype=pipe.compute_dtype),
     }
     if offload:
-        held = steady_bytes({f: shards[f] for f in pipe.shares.params[busiest] if f in shards}, optimizer)
+        mine = [f for s in range(busiest, len(pipe.shares.params), len(found.gathered_bytes)) for f in pipe.shares.params[s]]
+        held = steady_bytes({f: shards[f] for f in mine if f in shards}, optimizer)
         comm["offload_host_copies"] = held[0] + held[1]
     return Candidate(
         mesh=mesh,
@@ -358,6 +382,7 @@ def evaluate_pipeline(
         schedule=pipe.schedule,
         microbatches=pipe.microbatches,
         peak_stage=found.stage,
+        stages_per_rank=pipe.stages_per_rank,
     )
 
 
@@ -376,24 +401,40 @@ class Pipe:
     batch: int
     seq: int
     compute_dtype: torch.dtype | None
+    stages_per_rank: int = 1
+
+    @property
+    def busiest_share(self) -> float:
+        """The share of the blocks the busiest pp rank runs (its stages' together)."""
+        stages = len(self.shares.blocks)
+        pp = stages // self.stages_per_rank
+        most = max(sum(self.shares.blocks[s] for s in range(r, stages, pp)) for r in range(pp))
+        return most / sum(self.shares.blocks)
+
+    @property
+    def bubble(self) -> float:
+        """The idle share of a rank's step, as :mod:`fsdptx.cli._hardware` takes it: ``(pp - 1) / (v m)``."""
+        pp = len(self.shares.blocks) // self.stages_per_rank
+        return (pp - 1) / (self.stages_per_rank * self.microbatches)
 
 
 def pipes(
     build: Callable[[int | None], nn.Module],
     pp_sizes: Sequence[int],
-    schedule: str,
+    schedules: Sequence[tuple[str, int]],
     microbatches: int,
     batch: int,
     seq: int,
     policy: Any,
     skipped: list[str],
-) -> tuple[dict[int, Pipe], bool]:
-    """The split of the whole model for each pipeline size that can run
-    (the others listed in ``skipped`` with why), and whether the model is a
-    Hugging Face one (its stages cannot run sequence parallelism)."""
+) -> tuple[dict[int, tuple[Pipe, ...]], bool]:
+    """The split of the whole model for each pipeline size and (schedule,
+    stages per rank) that can run (the others listed in ``skipped`` with
+    why), and whether the model is a Hugging Face one (its stages cannot
+    run sequence parallelism)."""
     from ..manager import _is_hugging_face
 
-    out: dict[int, Pipe] = {}
+    out: dict[int, tuple[Pipe, ...]] = {}
     if not pp_sizes:
         return out, False
     model = build(None)
@@ -401,17 +442,26 @@ def pipes(
         if batch % microbatches:
             skipped.append(f"pp={pp}: --batch {batch} does not split into {microbatches} micro-batches")
             continue
-        problem = microbatch_problem(schedule, microbatches, pp, pp)
-        if problem is not None:
-            skipped.append(
-                f"pp={pp}: {problem} (--fit gives each micro-batch one sequence of --batch {batch} unless "
-                "--microbatches is given: raise --batch)"
-            )
-            continue
-        try:
-            shares = stage_shares(model, pp, schedule)
-        except PlanningError as e:
-            skipped.append(f"pp={pp}: {_one_line(e)}")
-            continue
-        out[pp] = Pipe(shares, schedule, microbatches, batch, seq, None if policy is None else policy.param_dtype)
+        found: list[Pipe] = []
+        for schedule, per_rank in schedules:
+            label = f"pp={pp}" + (f", {schedule} x {per_rank} stages per rank" if per_rank > 1 else f", {schedule}")
+            problem = microbatch_problem(schedule, microbatches, pp * per_rank, pp)
+            if problem is None and per_rank > 1 and microbatches < pp:
+                # torch runs it, but with fewer micro-batches than ranks nothing overlaps: the
+                # bubble is (pp - 1) of the work whatever the interleaving, not (pp - 1) / (v m)
+                problem = f"{schedule} interleaves nothing with {microbatches} micro-batches on {pp} ranks"
+            if problem is not None:
+                skipped.append(
+                    f"{label}: {problem} (--fit gives each micro-batch one sequence of --batch {batch} unless "
+                    "--microbatches is given: raise --batch)"
+                )
+                continue
+            try:
+                shares = stage_shares(model, pp, schedule, per_rank)
+            except PlanningError as e:
+                skipped.append(f"{label}: {_one_line(e)}")
+                continue
+            found.append(Pipe(shares, schedule, microbatches, batch, seq, None if policy is None else policy.param_dtype, per_rank))
+        if found:
+            out[pp] = tuple(found)
     return out, _is_hugging_face(model)

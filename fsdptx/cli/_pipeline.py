@@ -45,7 +45,7 @@ from ..model._stages import PipelineParts, build_stage_module
 from ..plan._json import plan_document
 from ..plan._plan import Pipeline, Plan, Stage
 from ..plan._stages import MULTI_STAGE_SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelineParallelConfig, bubble_fraction
-from ._fit_dims import FIT_SCHEDULES
+from ._fit_dims import FIT_SCHEDULES, INTERLEAVED_STAGES
 from ._common import APPLY_BUDGET, UsageError, _one_line, param_shards
 from ._memory import MemoryEstimate, estimate_from_trace
 from ._scaling import rescale, steady_bytes, traced_steady
@@ -54,7 +54,7 @@ from ._report import ParamShard
 from ._run import DryRun
 from ._stage_trace import TRACED_SCHEDULES, ActivationMeta, StageTrace, trace_stage
 
-__all__ = ["PipelineRun", "add_pipeline_arguments", "pipeline_config", "pipeline_dry_run", "run_pipeline_plan"]
+__all__ = ["PipelineRun", "add_pipeline_arguments", "fit_schedules", "pipeline_config", "pipeline_dry_run", "run_pipeline_plan"]
 
 Report = Callable[[str, Sequence[int], Sequence[str], DryRun, str], dict[str, Any]]
 """The CLI's report of one Plan (:func:`fsdptx.cli._main.report`), made here once per stage."""
@@ -84,6 +84,31 @@ def _given(args: argparse.Namespace) -> list[str]:
     return [f for f in _FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
 
 
+def fit_schedules(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
+    """The (schedule, stages per rank) pairs ``--fit``'s pipeline candidates
+    try: ``--schedule`` alone, else 1F1B and Interleaved1F1B (the two whose
+    bubble and memory trade against each other; GPipe holds every
+    micro-batch for 1F1B's bubble); interleaved with ``--stages-per-rank``
+    stages per rank, default :data:`fsdptx.cli._fit_dims.INTERLEAVED_STAGES`.
+
+    Raises:
+        UsageError: a schedule ``--fit`` does not model, or stages per rank
+            below 2 or with a schedule of one stage per rank.
+    """
+    schedule, per_rank = args.schedule, args.stages_per_rank
+    if schedule is not None and schedule not in FIT_SCHEDULES:
+        raise UsageError(f"--fit models the schedules {', '.join(FIT_SCHEDULES)}, not {schedule!r}")
+    if per_rank is not None and (per_rank < 2 or schedule in ("1F1B", "GPipe")):
+        raise UsageError(
+            f"--stages-per-rank {per_rank} under --fit: the interleaved candidates need 2 or more stages per rank, "
+            "and 1F1B and GPipe run one"
+        )
+    interleaved = ("Interleaved1F1B", INTERLEAVED_STAGES if per_rank is None else per_rank)
+    if schedule is None:
+        return (("1F1B", 1), interleaved)
+    return (interleaved,) if schedule == "Interleaved1F1B" else ((schedule, 1),)
+
+
 def pipeline_config(args: argparse.Namespace, names: Sequence[str] | None) -> PipelineParallelConfig | None:
     """The pipeline the command line asks for: a config when ``names`` (the
     ``--mesh`` axes; None under ``--fit``, which ignores ``--mesh``) has
@@ -91,14 +116,13 @@ def pipeline_config(args: argparse.Namespace, names: Sequence[str] | None) -> Pi
     what the pipelined dry run does not do, are refused (:class:`UsageError`)."""
     given = _given(args)
     if names is None:
-        searched = [f for f in given if f not in ("--schedule", "--microbatches")]
+        searched = [f for f in given if f not in ("--schedule", "--microbatches", "--stages-per-rank")]
         if searched:
             raise UsageError(
                 f"{', '.join(searched)} apply to a --mesh with a pp axis; --fit's pipeline candidates split the "
-                "blocks evenly, one stage per rank (--schedule 1F1B or GPipe, --microbatches)"
+                "blocks evenly (--schedule 1F1B, GPipe or Interleaved1F1B, --stages-per-rank, --microbatches)"
             )
-        if args.schedule is not None and args.schedule not in FIT_SCHEDULES:
-            raise UsageError(f"--fit models the schedules {', '.join(FIT_SCHEDULES)} (one stage per rank), not {args.schedule!r}")
+        fit_schedules(args)
         if args.microbatches is not None and args.microbatches < 1:
             raise UsageError(f"--microbatches must be >= 1, got {args.microbatches}")
         return None

@@ -109,7 +109,8 @@ def test_a_pp_candidate_reproduces_with_a_pipeline_config(fit: dict[str, Any]) -
 def test_pipeline_sizes_a_batch_cannot_feed_are_listed_with_why() -> None:
     fit = _json(["plan", "--preset", "llama", "--layers", "4", "--seq", "256", "--fit", "4x8GiB", "--fit-cp", "1", "--json"])["fit"]
     assert not any("pp" in c["mesh"] for c in _candidates(fit))
-    assert any(s.startswith("pp=2:") and "raise --batch" in s for s in fit["skipped"])
+    assert any(s.startswith("pp=2, 1F1B:") and "raise --batch" in s for s in fit["skipped"])
+    assert any(s.startswith("pp=2, Interleaved1F1B x 2 stages per rank:") and "interleaves nothing" in s for s in fit["skipped"])
 
 
 def test_cp_is_searched_by_default_only_for_long_sequences() -> None:
@@ -122,8 +123,10 @@ def test_cp_is_searched_by_default_only_for_long_sequences() -> None:
     [
         (("--fit-cp", "two"), "malformed --fit-cp 'two'"),
         (("--fit-pp", "0"), "--fit-pp '0': sizes must be integers >= 1"),
-        (("--schedule", "Interleaved1F1B"), "--fit models the schedules 1F1B, GPipe"),
-        (("--stages-per-rank", "2"), "--stages-per-rank apply to a --mesh with a pp axis"),
+        (("--schedule", "ZeroBubble"), "--fit models the schedules 1F1B, GPipe, Interleaved1F1B, not 'ZeroBubble'"),
+        (("--schedule", "GPipe", "--stages-per-rank", "2"), "1F1B and GPipe run one"),
+        (("--stages-per-rank", "1"), "the interleaved candidates need 2 or more stages per rank"),
+        (("--layers-per-stage", "1"), "--layers-per-stage apply to a --mesh with a pp axis"),
         (("--mesh", "dp=2", "--fit-pp", "2"), "--fit-pp apply to --fit"),
     ],
 )
@@ -132,3 +135,48 @@ def test_bad_search_dimensions_are_refused_in_one_line(argv: tuple[str, ...], sa
     code, out, err = _run(["plan", "--preset", "llama", "--layers", "2", *fit, *argv])
     assert code == 2 and out == ""
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_search_tries_interleaved_1f1b_beside_1f1b_with_half_the_bubble(fit: dict[str, Any]) -> None:
+    """Same mesh, checkpointing and offload: interleaving two stages per rank
+    halves the predicted bubble, doubles each rank's P2P bytes, and holds at
+    least 1F1B's activations (its in-flight count is an upper bound)."""
+    pairs = 0
+    for c in _candidates(fit):
+        p = c["pipeline"]
+        if p is None or p["schedule"] != "1F1B":
+            continue
+        twin = [
+            d for d in _candidates(fit)
+            if d["pipeline"] and d["pipeline"]["schedule"] == "Interleaved1F1B" and d["mesh"] == c["mesh"]
+            and (d["activation_checkpointing"], d["offload"]) == (c["activation_checkpointing"], c["offload"])
+        ]
+        if not twin:
+            continue
+        (d,) = twin
+        pairs += 1
+        assert d["pipeline"]["stages_per_rank"] == 2 and d["pipeline"]["peak_stage"] is None
+        assert d["predicted_step"]["pipeline_bubble_ms"] == pytest.approx(c["predicted_step"]["pipeline_bubble_ms"] / 2)
+        assert d["comm_bytes"]["pp_p2p"] == 2 * c["comm_bytes"]["pp_p2p"]
+        assert d["argv"][-2:] == ["--stages-per-rank", "2"] or "--stages-per-rank" in d["argv"]
+    assert pairs >= 4
+
+
+def test_an_interleaved_candidates_exact_parts_are_what_plan_gives_its_busiest_rank() -> None:
+    """The interleaved step is not traced (the dry run refuses --batch with
+    several stages per rank), so its candidate is checked where ``plan`` is
+    exact: each pp rank's parameters, gradients and optimizer state over
+    its two stages, from shapes."""
+    fit = _json(["plan", *MODEL, "--fit", "4x8GiB", "--fit-cp", "1", "--fit-pp", "2", "--schedule", "Interleaved1F1B", "--json"])["fit"]
+    found = [c for c in _candidates(fit) if c["pipeline"] and not c["offload"]]
+    assert found and all(c["pipeline"]["schedule"] == "Interleaved1F1B" for c in found)
+    for c in found[:2]:
+        model = MODEL[:4]  # the preset without --batch/--seq: shapes only
+        data = _json(["plan", *model, *c["argv"], "--json"])
+        rank = next(r for r in data["ranks"] if r["rank"] == c["pipeline"]["peak_pp_rank"])
+        assert len(rank["stages"]) == 2
+        assert (c["params_bytes"], c["grads_bytes"], c["optimizer_bytes"]) == (
+            rank["memory"]["params_bytes"],
+            rank["memory"]["grads_bytes"],
+            rank["memory"]["optimizer_bytes"],
+        )
