@@ -138,7 +138,7 @@ def test_pipeline_options_without_a_pp_axis_are_refused_in_one_line(
 
 def test_pipeline_options_fit_does_not_search_are_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     err = refused(capsys, "--preset", "llama", "--layers", "2", "--fit", "8x80GiB", "--layers-per-stage", "1")
-    assert "--fit's pipeline candidates split the blocks evenly, one stage per rank" in err
+    assert "--layers-per-stage apply to a --mesh with a pp axis; --fit's pipeline candidates split the blocks evenly" in err
 
 
 @pytest.mark.parametrize(
