@@ -105,13 +105,7 @@ def parse_sizes(text: str, option: str, auto: Sequence[int]) -> tuple[int, ...]:
     """
     if text.strip() == "auto":
         return tuple(auto)
-    try:
-        sizes = tuple(sorted({int(t) for t in text.split(",")}))
-    except ValueError:
-        raise ValueError(f"malformed {option} {text!r}: expected auto, 1 or sizes such as 2,4") from None
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"{option} {text!r}: sizes must be integers >= 1")
-    return tuple(s for s in sizes if s > 1)
+    return tuple(s for s in _sizes(text, option, "1 or sizes such as 2,4") if s > 1)
 
 
 def parse_ep(text: str) -> tuple[int, ...] | None:
@@ -123,12 +117,17 @@ def parse_ep(text: str) -> tuple[int, ...] | None:
     """
     if text.strip() == "auto":
         return None
+    return _sizes(text, "--ep", "a size such as 8 or sizes such as 1,8")
+
+
+def _sizes(text: str, option: str, expected: str) -> tuple[int, ...]:
+    """The sorted distinct sizes of a comma list, each at least 1."""
     try:
         sizes = tuple(sorted({int(t) for t in text.split(",")}))
     except ValueError:
-        raise ValueError(f"malformed --ep {text!r}: expected auto, a size such as 8 or sizes such as 1,8") from None
+        raise ValueError(f"malformed {option} {text!r}: expected auto, {expected}") from None
     if not sizes or sizes[0] < 1:
-        raise ValueError(f"--ep {text!r}: sizes must be integers >= 1")
+        raise ValueError(f"{option} {text!r}: sizes must be integers >= 1")
     return sizes
 
 
