@@ -308,7 +308,7 @@ def search(
         tp_meshes = [m for m in every if (m.get("tp", 1), m.get("cp", 1)) == (tp, cp)]
         for moe in sorted({ep > 1 for ep in eps}):
             kind = [ep for ep in eps if (ep > 1) == moe]
-            pairs = _with_ep(tp_meshes, kind, hugging_face, skipped)
+            pairs = _with_ep(tp, tp_meshes, kind, hugging_face, skipped)
             if not pairs:
                 continue
             if (tp, moe) not in fulls:
@@ -379,7 +379,7 @@ def search(
 
 
 def _with_ep(
-    tp_meshes: Sequence[dict[str, int]], eps: Sequence[int], hugging_face: bool, skipped: list[str]
+    tp: int, tp_meshes: Sequence[dict[str, int]], eps: Sequence[int], hugging_face: bool, skipped: list[str]
 ) -> list[tuple[dict[str, int], int]]:
     """The (mesh, ep) candidates of one ``tp`` x ``cp``: ``ep`` must divide
     the mesh's shard x TP ranks (the experts' mesh regroups them), and a
@@ -389,13 +389,11 @@ def _with_ep(
     pairs = []
     for ep in eps:
         for m in tp_meshes:
-            tp, pp = m.get("tp", 1), m.get("pp", 1)
             if (m["dp_shard"] * tp) % ep:
                 skipped.append(f"--mesh {_mesh_text(m)}: ep={ep} does not divide its dp_shard x tp ranks")
-            elif pp == 1:
+            elif m.get("pp", 1) == 1:
                 pairs.append((m, ep))
-        staged = [m for m in tp_meshes if m.get("pp", 1) > 1 and (m["dp_shard"] * m.get("tp", 1)) % ep == 0]
-        tp = tp_meshes[0].get("tp", 1) if tp_meshes else 1
+        staged = [m for m in tp_meshes if m.get("pp", 1) > 1 and (m["dp_shard"] * tp) % ep == 0]
         if staged and ep > 1:
             skipped.append(f"tp={tp} with pp: the dry run plans no pipeline with a MoE mesh (ep={ep})")
         elif staged and hugging_face and tp > 1:

@@ -380,7 +380,7 @@ def render_pipeline_html(data: dict[str, Any], stages: Sequence[Any]) -> str:
         m = stage["memory"]
         body += f"<h2>Stage {stage['index']} (pp rank {stage['rank']}){' &mdash; the peak' if stage['index'] == top['peak_stage'] else ''}</h2>"
         body += _intro(m, f"Stage {stage['index']}'s step on one rank, every micro-batch of it")
-        body += _memory_svg(run.trace.trace.samples, run.trace.trace.collectives, m["peak_at"], _stage_lanes(run.trace, stage["index"], last) if run.trace else (), key=str(stage["index"]))
+        body += _memory_svg(run.trace.trace.samples, run.trace.trace.collectives, m["peak_at"], _stage_lanes(run.trace, stage["index"], last), key=str(stage["index"]))
         body += f"<h3>Units</h3>{_table(stage)}"
     return _page(title, body)
 
