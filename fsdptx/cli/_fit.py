@@ -110,12 +110,11 @@ def meshes(gpus: int, cp_sizes: Sequence[int] = (), pp_sizes: Sequence[int] = ()
     """Every ``pp x dp_replicate x dp_shard x cp x tp`` factorization of
     ``gpus`` (dims listed outermost first, as meshes are laid out) with
     ``tp <= MAX_TP``, ``cp`` in ``cp_sizes`` or 1, ``pp`` in ``pp_sizes`` or
-    1, never both above 1 (the dry run plans no pipeline with a ``cp``
-    dim), and at least two data-parallel ranks counting ``cp`` (FSDP
+    1, and at least two data-parallel ranks counting ``cp`` (FSDP
     shards over ``dp_shard x cp``; one rank has nothing to shard)."""
     out = []
     for pp in (1, *sorted(set(pp_sizes) - {1})):
-        for cp in (1, *sorted(set(cp_sizes) - {1})) if pp == 1 else (1,):
+        for cp in (1, *sorted(set(cp_sizes) - {1})):
             if gpus % (pp * cp):
                 continue
             rest = gpus // (pp * cp)

@@ -14,13 +14,15 @@ own split) then holds, per rank:
 
 - its parameters, gradients and optimizer state, exact from the shapes;
 - its units gathered for the whole step (under pipeline parallelism FSDP
-  keeps parameters gathered between forward and backward);
+  keeps parameters gathered between forward and backward), and all of
+  their unsharded gradients in the reduce dtype, accumulated over the
+  micro-batches until the one reduce-scatter after the last;
 - its blocks' activations for the micro-batches in flight
   (:func:`~fsdptx.plan._stages.in_flight_microbatches`), each micro-batch
   ``batch / microbatches`` sequences; the last stage also the head's;
 - transients: the largest temporaries the traced step holds (the loss's,
   an operator's workspace) scaled to one micro-batch, and the collective
-  buffers and unsharded gradients (one unit's) of its peak as traced;
+  buffers (one unit's) of its peak as traced;
 - the point-to-point buffers of every micro-batch's input and gradient;
 - on the last stage, the schedule's hold on each micro-batch's output and
   its loss gradient, outside the module (fp32 logits and their gradient,
@@ -28,6 +30,13 @@ own split) then holds, per rank:
 
 The peak stage is the candidate's peak. Tests compare it with ``plan``
 run with the candidate's options (a traced step per stage).
+
+With a ``cp`` dim as well, the traces are the ``cp`` step's (``seq / cp``
+tokens per rank, ring buffers modelled): a stage's blocks, its boundary
+tensors and its head's logits hold its CP rank's tokens, ring attention's
+buffers count with the transients of one micro-batch, its traffic over
+the busiest rank's blocks, and FSDP's collectives run over
+``dp_shard x cp`` ranks, as ``plan`` applies such a pipeline.
 
 Interleaved 1F1B puts several stages on each rank (rank ``r`` holds
 ``r``, ``r + pp``, ...): a rank's peak is the sum over its stages, their
@@ -55,7 +64,7 @@ from ._fit_measure import Measured, extrapolate, ring_bytes
 from ._report import ParamShard, ceil_div
 from ._ring import GRAD_BYTES, RingAttention
 from ._scaling import rescale, steady_bytes, traced_steady
-from ._trace import token_embedding
+from ._trace import RING_BUFFERS, token_embedding
 
 __all__ = [
     "CP_MIN_SEQ",
@@ -220,6 +229,7 @@ def pipeline_peak(
     seq: int,
     sequence_parallel: bool,
     compute_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
     optimizer: str,
     offload: bool,
     stages_per_rank: int = 1,
@@ -233,8 +243,10 @@ def pipeline_peak(
         block_activations: one block's activations at the whole ``batch``.
         rest_activations: the traced step's activations outside the blocks.
         token_transient: the traced step's largest temporaries at the whole ``batch``.
-        unit_transient: the traced peak's collective buffers and unsharded gradients.
+        unit_transient: the traced peak's collective buffers (one unit's).
         compute_dtype: the units' compute dtype (``None``: storage dtype).
+        reduce_dtype: the dtype their gradients accumulate and reduce in
+            (``None``: storage dtype).
 
     Raises:
         ValueError: the schedule cannot run ``microbatches`` on these stages.
@@ -258,6 +270,8 @@ def pipeline_peak(
         mine = {f: shards[f] for s in held_stages for f in shares.params[s] if f in shards}
         steady = (0, 0, 0) if offload else steady_bytes(mine, optimizer)
         held = sum(_tp_local(p, tp) * (compute_dtype or p.dtype).itemsize for p in mine.values())
+        # every unit's unsharded gradients accumulate over the micro-batches until the one reduce-scatter
+        accumulated = sum(_tp_local(p, tp) * (reduce_dtype or p.dtype).itemsize for p in mine.values() if p.requires_grad)
         gathered.append(held)
         grad_numel.append(sum(_tp_local(p, tp) for p in mine.values() if p.requires_grad))
         blocks.append(sum(shares.blocks[s] for s in held_stages))
@@ -268,7 +282,11 @@ def pipeline_peak(
             p2p += 2 * stream if 0 < s < stages - 1 else stream  # inputs and their gradients; an end stage one side
             if s == stages - 1 and shares.vocab is not None:
                 p2p += 2 * batch * seq * ceil_div(shares.vocab, tp) * 4 // microbatches
-        peak = int(sum(steady) + held + acts + token_transient / microbatches + unit_transient + p2p)
+        # the step's sharded gradients only come from the reduce-scatter after the last backward,
+        # when the activations, transients and in-flight buffers of the micro-batches are gone
+        params, grads, states = steady
+        during = acts + token_transient / microbatches + unit_transient + p2p
+        peak = int(params + states + held + accumulated + max(during, grads))
         if best is None or peak > best[0]:
             best = (peak, rank, int(acts), steady)
     assert best is not None  # a split has at least one stage
@@ -313,19 +331,21 @@ def evaluate_pipeline(
 
     Raises:
         ValueError: the schedule cannot run the micro-batches on these stages."""
-    shard, rep, tp = mesh["dp_shard"], mesh.get("dp_replicate", 1), mesh.get("tp", 1)
+    shard, rep, tp, cp = mesh["dp_shard"], mesh.get("dp_replicate", 1), mesh.get("tp", 1), mesh.get("cp", 1)
     acts: list[tuple[int, float]] = []
     by_tokens = by_params = 0
     tp_comm: list[tuple[int, float]] = []
+    ring = None
     for traced in measured.traces:
         trace = traced.trace(shard)
-        _, _, at_peak = rescale(trace, traced=traced_steady(trace), target=steady_bytes(traced.shards[(shard, 1)], optimizer))
+        ring = trace.ring or ring
+        target = steady_bytes(traced.shards[(shard * cp, 1)], optimizer)
+        _, _, at_peak = rescale(trace, traced=traced_steady(trace), target=target)
         # transients: the operators' temporaries and inputs grow with the tokens (the largest the
-        # step holds: a stage may peak where the whole model does not, at its head), the buffers of
-        # a unit's collectives and its unsharded gradients with its parameters (as at the peak)
-        by_tokens = max(
-            by_tokens, max((x.bytes.get("temporaries", 0) + x.bytes.get("inputs", 0) for x in trace.samples), default=0)
-        )
+        # step holds: a stage may peak where the whole model does not, at its head), so do ring
+        # attention's buffers; the buffers of a unit's collectives grow with its parameters
+        # (one unit's, as at the peak)
+        by_tokens = max(by_tokens, max((sum(x.bytes.get(k, 0) for k in TOKEN_TRANSIENTS) for x in trace.samples), default=0))
         by_params = max(by_params, sum(at_peak.get(k, 0) for k in UNIT_TRANSIENTS))
         acts.append((traced.layers, trace.activations))
         tp_comm.append((traced.layers, sum(c.bytes for c in trace.collectives if c.source == "tp")))
@@ -346,9 +366,10 @@ def evaluate_pipeline(
         token_transient=by_tokens,
         unit_transient=by_params,
         batch=pipe.batch,
-        seq=pipe.seq,
+        seq=pipe.seq // cp,  # a CP rank's stage receives, runs and sends its own tokens
         sequence_parallel=tp > 1,
         compute_dtype=pipe.compute_dtype,
+        reduce_dtype=pipe.reduce_dtype,
         optimizer=optimizer,
         offload=offload,
         stages_per_rank=pipe.stages_per_rank,
@@ -356,13 +377,15 @@ def evaluate_pipeline(
     busiest = found.gathered_bytes.index(max(found.gathered_bytes))
     grad_numel = found.grad_numel[busiest]
     comm = {
-        "fsdp_all_gather": ring_bytes(found.gathered_bytes[busiest], shard),  # gathered once: no reshard under PP
-        "fsdp_reduce_scatter": ring_bytes(4 * grad_numel, shard),  # fp32, once per step
+        "fsdp_all_gather": ring_bytes(found.gathered_bytes[busiest], shard * cp),  # gathered once: no reshard under PP
+        "fsdp_reduce_scatter": ring_bytes(4 * grad_numel, shard * cp),  # fp32, once per step
         "hsdp_all_reduce": ring_bytes(4 * grad_numel, rep, 2),
         "tp": ring_bytes(extrapolate(tp_comm, layers) * found.most_blocks / total, tp),
         "pp_p2p": pipe.stages_per_rank  # each of the rank's stages passes its boundary on
-        * p2p_bytes(pipe.shares, batch=pipe.batch, seq=pipe.seq, tp=tp, sequence_parallel=tp > 1, dtype=pipe.compute_dtype),
+        * p2p_bytes(pipe.shares, batch=pipe.batch, seq=pipe.seq // cp, tp=tp, sequence_parallel=tp > 1, dtype=pipe.compute_dtype),
     }
+    if ring is not None:  # the busiest rank's attention layers, one per block
+        comm["cp_ring"] = cp_ring_bytes(ring, found.most_blocks, ac)
     if offload:
         mine = [f for s in range(busiest, len(pipe.shares.params), len(found.gathered_bytes)) for f in pipe.shares.params[s]]
         held = steady_bytes({f: shards[f] for f in mine if f in shards}, optimizer)
@@ -385,14 +408,15 @@ def evaluate_pipeline(
     )
 
 
-UNIT_TRANSIENTS = ("all_gather_buffers", "reduce_scatter_buffers", "unsharded_grads")
+UNIT_TRANSIENTS = ("all_gather_buffers", "reduce_scatter_buffers")
+TOKEN_TRANSIENTS = ("temporaries", "inputs", RING_BUFFERS)
 
 
 @dataclass(frozen=True)
 class Pipe:
     """What every pipeline candidate of one size shares: the split, the
     schedule and its micro-batches, the step's batch and sequence, and the
-    units' compute dtype."""
+    units' compute and reduce dtypes."""
 
     shares: StageShares
     schedule: str
@@ -400,6 +424,7 @@ class Pipe:
     batch: int
     seq: int
     compute_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
     stages_per_rank: int = 1
 
     @property
@@ -460,7 +485,8 @@ def pipes(
             except PlanningError as e:
                 skipped.append(f"{label}: {_one_line(e)}")
                 continue
-            found.append(Pipe(shares, schedule, microbatches, batch, seq, None if policy is None else policy.param_dtype, per_rank))
+            compute, reduce = (None, None) if policy is None else (policy.param_dtype, policy.reduce_dtype)
+            found.append(Pipe(shares, schedule, microbatches, batch, seq, compute, reduce, per_rank))
         if found:
             out[pp] = tuple(found)
     return out, _is_hugging_face(model)

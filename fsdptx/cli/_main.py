@@ -384,7 +384,7 @@ def run_plan(args: argparse.Namespace) -> str:
     shape, names = parse_mesh(args.mesh)
     pipeline = pipeline_config(args, names)
     batch_seq = _batch_seq(args)
-    _check_cp(args, dict(zip(names, shape)), batch_seq, pipeline is not None)
+    _check_cp(args, dict(zip(names, shape)), batch_seq)
     moe = None if args.moe_mesh is None else parse_moe_mesh(args.moe_mesh, math.prod(shape))
     skew = _routing_skew(args.routing_skew, moe, batch_seq, pipeline is not None)
     model, name = build_model(args)
@@ -433,13 +433,10 @@ def run_plan(args: argparse.Namespace) -> str:
     return render(data, run.plan)
 
 
-def _check_cp(
-    args: argparse.Namespace, mesh: dict[str, int], batch_seq: tuple[int, int] | None, pipelined: bool
-) -> None:
+def _check_cp(args: argparse.Namespace, mesh: dict[str, int], batch_seq: tuple[int, int] | None) -> None:
     """Refuse, before anything is built, a traced CP step that cannot be
     sized: ``--seq`` that the ``2 x cp`` head-tail chunks (and SP's ``tp``)
-    do not divide, a pipelined one (the stage trace does not split the
-    sequence), and ``--cp-rotate`` with nothing to size."""
+    do not divide, and ``--cp-rotate`` with nothing to size."""
     cp = mesh.get("cp", 1)
     if args.cp_rotate is not None and (cp == 1 or batch_seq is None):
         raise UsageError(
@@ -448,11 +445,6 @@ def _check_cp(
         )
     if cp == 1 or batch_seq is None:
         return
-    if pipelined:
-        raise UsageError(
-            f"--batch/--seq with pp and cp={cp}: the pipeline stages' trace does not split the sequence over "
-            "the CP ranks yet; drop --batch/--seq for the shape-only figures, or the cp axis"
-        )
     error = cp_seq_error(batch_seq[1], cp, mesh.get("tp", 1), args.sp)
     if error is not None:
         raise UsageError(f"--seq {batch_seq[1]} with cp={cp}: {error}")

@@ -47,6 +47,7 @@ from ..plan._plan import Pipeline, Plan, Stage
 from ..plan._stages import MULTI_STAGE_SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelineParallelConfig, bubble_fraction
 from ._fit_dims import FIT_SCHEDULES, INTERLEAVED_STAGES
 from ._common import APPLY_BUDGET, UsageError, _one_line, param_shards
+from ._cp import attention_projections, no_attention_error, ring_attention, with_ring_buffers
 from ._memory import MemoryEstimate, estimate_from_trace
 from ._scaling import rescale, steady_bytes, traced_steady
 from ._trace import vocab_size, where_label
@@ -219,13 +220,18 @@ def pipeline_dry_run(
     *,
     batch_seq: tuple[int, int] | None = None,
     batch_given: bool = True,
+    cp_rotate: str = "allgather",
 ) -> PipelineRun:
     """Plan ``model`` with the manager (``config.pipeline_parallel`` set),
     apply every stage on a fake mesh of ``shape``/``names`` within
     :data:`fsdptx.cli._common.APPLY_BUDGET`, read each stage's rank-0
     shards and, with ``batch_seq`` (sequences per data-parallel rank,
     tokens per sequence), trace each stage's step at the micro-batch size;
-    without ``batch_given`` (no ``--batch``) one sequence per micro-batch."""
+    without ``batch_given`` (no ``--batch``) one sequence per micro-batch.
+    With a ``cp`` dim each stage is traced at ``seq / cp`` tokens and ring
+    attention's buffers (``cp_rotate``) are added, as the unpipelined
+    step's are (:mod:`fsdptx.cli._cp`); the caller has checked that
+    ``seq`` splits."""
     from ..manager import FSDP2Manager
     from ..testing import fake_mesh
 
@@ -267,7 +273,7 @@ def pipeline_dry_run(
         ]
         traces: list[StageTrace | None] = [None] * num
         if micro is not None:
-            traces = list(_trace_stages(model, pipeline, modules, applied, micro, mesh))
+            traces = list(_trace_stages(model, pipeline, modules, applied, micro, mesh, dims, cp_rotate))
     stages = tuple(StageRun(s, sh, t) for s, sh, t in zip(pipeline.stages, shards, traces))
     return PipelineRun(plan=p, dims=dims, applied=applied, params=n_params, stages=stages, micro_batch=micro)
 
@@ -301,15 +307,21 @@ def _trace_stages(
     applied: str,
     micro: tuple[int, int],
     mesh: DeviceMesh,
+    dims: ParallelDims,
+    cp_rotate: str,
 ) -> list[StageTrace]:
     """Every stage's step, in pipeline order: each stage receives what the
-    one before it hands on."""
+    one before it hands on. A CP rank's stage runs ``seq / cp`` tokens (what
+    it receives and sends too); the ring buffers of the stage's own
+    attention layers are added to its trace."""
     if applied != "full":
         raise UsageError(
             "the activation trace needs fully_shard applied, and this mesh is larger than the dry run "
             f"simulates ({APPLY_BUDGET:,} parameter shards); trace a smaller dp_shard: activations per "
             "rank do not depend on it"
         )
+    if dims.cp > 1 and not attention_projections(model):
+        raise UsageError(no_attention_error(model))
     vocab = vocab_size(model)
     out: list[StageTrace] = []
     received: ActivationMeta | None = None
@@ -322,7 +334,7 @@ def _trace_stages(
                 schedule=pipeline.schedule,
                 microbatches=pipeline.microbatches,
                 micro_batch=micro[0],
-                seq=micro[1],
+                seq=micro[1] // dims.cp,
                 vocab=vocab,
                 received=received,
                 units=[u.modules[0] for u in stage.plan.units],
@@ -333,6 +345,11 @@ def _trace_stages(
                 f"stage {stage.index}'s step could not be traced under FakeTensorMode ({type(e).__name__}: "
                 f"{' '.join(str(e).split())[:300]}); plan without --batch/--seq for the shape-only figures"
             ) from None
+        if dims.cp > 1:
+            ring = ring_attention(
+                module, stage.plan, cp=dims.cp, tp=dims.tp, rotate_method=cp_rotate, batch=micro[0], seq=micro[1]
+            )
+            traced = dataclasses.replace(traced, trace=with_ring_buffers(traced.trace, ring))
         out.append(traced)
         received = traced.sent
     return out
@@ -498,7 +515,10 @@ def _mesh_line(data: dict[str, Any]) -> str:
     ]
     if d["dp_replicate"] > 1:
         parts.append(f"each stage replicated over dp_replicate={d['dp_replicate']}")
-    parts.append(f"FSDP shards each stage over {d['dp_shard']} ranks" if d["dp_shard"] > 1 else "no FSDP sharding")
+    shard = d["dp_shard"] * d["cp"]
+    parts.append(f"FSDP shards each stage over {shard} ranks" if shard > 1 else "no FSDP sharding")
+    if d["cp"] > 1:
+        parts.append(f"cp={d['cp']} folded into the shard dim, each CP rank holding seq/{d['cp']} of every activation")
     if d["tp"] > 1:
         parts.append(f"TP over {d['tp']} ranks")
     policy = data["mp_policy"]
@@ -572,10 +592,12 @@ def _trace_lines(data: dict[str, Any]) -> list[str]:
     top = data["memory"]
     peak = stages[top["peak_stage"]]["memory"]
     breakdown = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(peak["peak_breakdown"].items(), key=lambda kv: -kv[1]))
+    cp = data["dims"]["cp"]
+    cp_part = f" ({first['seq'] // cp} per CP rank)" if cp > 1 else ""
     lines = [
         "",
         f"one training step of each stage traced ({p['schedule']}: {p['microbatches']} micro-batches of "
-        f"{first['microbatch']} x seq {first['seq']} per data-parallel rank; forwards and backwards in the schedule's "
+        f"{first['microbatch']} x seq {first['seq']}{cp_part} per data-parallel rank; forwards and backwards in the schedule's "
         "order, one reduce-scatter after the last, AdamW step; FakeTensorMode, FSDPMemTracker):",
         *_table(rows),
         "(activations: the most saved for backward at the end of a forward, with the micro-batches then in flight; "
@@ -619,7 +641,15 @@ def run_pipeline_plan(
     """``plan`` with a ``pp`` axis: the pipelined dry run, its report as
     text or (``--json``) JSON. ``config`` carries ``pipeline_parallel``."""
     try:
-        run = pipeline_dry_run(model, shape, names, config, batch_seq=batch_seq, batch_given=args.batch is not None)
+        run = pipeline_dry_run(
+            model,
+            shape,
+            names,
+            config,
+            batch_seq=batch_seq,
+            batch_given=args.batch is not None,
+            cp_rotate=args.cp_rotate or "allgather",
+        )
     except (ValueError, PlanningError) as e:  # the planner's own message names what to change
         raise UsageError(f"cannot plan {name}: {_one_line(e)}") from None
     data = pipeline_report(name, shape, names, run, args.optimizer, report, offload=args.offload)

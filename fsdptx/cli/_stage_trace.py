@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core._torch_internals import FakeTensorMode, fast_fake_mode_lookup, own_propagation_fake_mode
 from ..plan._stages import in_flight_microbatches
-from ._trace import Sample, Trace, _local, _logits, _StepTracker, _tp_replica_sync
+from ._trace import Sample, Trace, _local, _logits, _StepTracker, _tp_replica_sync, unpacked_sequences
 
 __all__ = ["TRACED_SCHEDULES", "ActivationMeta", "StageTrace", "stage_actions", "trace_stage"]
 
@@ -183,7 +183,12 @@ def trace_stage(
     # Built outside fake mode: the stage object holds no tensors; its
     # perform_reduce_grad is what torch's schedules call after the last backward.
     torch_stage = PipelineStage(module, index, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
-    with FakeTensorMode(allow_non_fake_inputs=True), own_propagation_fake_mode(), fast_fake_mode_lookup():
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True),
+        own_propagation_fake_mode(),
+        fast_fake_mode_lookup(),
+        unpacked_sequences(),
+    ):
         module.to_empty(device="cpu")
         module.train()
         params = [p for p in module.parameters() if p.requires_grad]

@@ -19,13 +19,21 @@ Two things make the tracker count what a GPU would hold:
 - AdamW creates its state lazily in the first ``step()``. A steady-state
   step has it from the start, so the state is created (and gradients
   dropped) before the traced step begins.
+- A ``transformers`` model trained without a KV cache (checkpointing turns
+  it off; pipeline stages run without one) looks for packed sequences in
+  its position ids; on fake tensors it cannot see there are none, so it
+  would build a ``batch x seq x seq`` mask and pass it to attention
+  instead of ``is_causal``, quadratic memory a GPU run never allocates
+  (a gigabyte per sequence at 32k tokens). The trace's token rows are one
+  sequence each, so it runs under :func:`unpacked_sequences`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from contextlib import AbstractContextManager
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +56,7 @@ from ..core._torch_internals import (
 from ._ep import ExpertRouting
 from ._ring import RingAttention
 
-__all__ = ["CATEGORIES", "RING_BUFFERS", "Collective", "Sample", "Trace", "token_embedding", "trace_step", "vocab_size", "where_label"]
+__all__ = ["CATEGORIES", "RING_BUFFERS", "Collective", "Sample", "Trace", "token_embedding", "trace_step", "unpacked_sequences", "vocab_size", "where_label"]
 
 # The tracker's categories (``_FSDPRefType`` values), renamed to JSON keys.
 CATEGORIES: dict[str, str] = {
@@ -281,6 +289,30 @@ def _loss_context(vocab_sharded: bool) -> AbstractContextManager[None]:
     return loss_parallel() if vocab_sharded else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def unpacked_sequences() -> Iterator[None]:
+    """Within: ``transformers`` finds no packed sequences in position ids
+    (each row of the traced tokens is one sequence), as it finds on real
+    tensors; its own check reads values a fake tensor does not have, and
+    then assumes packing (module docstring). Outside, nothing changes.
+    Without ``transformers`` imported (or a version without the check) a
+    plain context."""
+    masks = sys.modules.get("transformers.masking_utils")
+    original = getattr(masks, "find_packed_sequence_indices", None)
+    if masks is None or original is None:
+        yield
+        return
+    setattr(masks, "find_packed_sequence_indices", _no_packed_sequences)
+    try:
+        yield
+    finally:
+        setattr(masks, "find_packed_sequence_indices", original)
+
+
+def _no_packed_sequences(position_ids: torch.Tensor) -> None:
+    return None
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor itself otherwise)."""
     return local_tensor(t) if isinstance(t, DTensor) else t
@@ -326,7 +358,12 @@ def trace_step(
             "(a mesh with a data-parallel axis and a plan with units)"
         )
     vocab = vocab_size(model)
-    with FakeTensorMode(allow_non_fake_inputs=True), own_propagation_fake_mode(), fast_fake_mode_lookup():
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True),
+        own_propagation_fake_mode(),
+        fast_fake_mode_lookup(),
+        unpacked_sequences(),
+    ):
         model.to_empty(device="cpu")
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]

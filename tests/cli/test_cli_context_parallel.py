@@ -72,6 +72,29 @@ def test_a_cp_step_is_the_plain_step_at_seq_over_cp_plus_the_ring_buffers() -> N
     assert cp.peak_bytes == rescale(with_buffers, traced=traced_steady(trace), target=exact)[0] >= plain.peak_bytes
 
 
+def test_a_pipelined_cp_stage_is_the_stage_at_seq_over_cp_plus_the_ring_buffers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def stages(*argv: str) -> list[dict[str, Any]]:
+        code = main(["plan", *LLAMA, "--schedule", "1F1B", "--microbatches", "2", "--batch", "2", *argv, "--json"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return [s["memory"] for s in json.loads(out)["stages"]]
+
+    cp = stages("--mesh", "pp=2,dp=2,cp=2", "--seq", "512")
+    plain = stages("--mesh", "pp=2,dp=4", "--seq", "256")  # the same shards (dp x cp = 4), half the sequence
+    for a, b in zip(cp, plain, strict=True):
+        ring = a["context_parallel"]
+        assert ring is not None and ring["seq_per_rank"] == 256 and b["context_parallel"] is None
+        for key in ("activations_bytes", "activations_per_microbatch_bytes", "p2p_buffer_bytes", "params_bytes", "optimizer_bytes"):
+            assert a[key] == b[key], key
+        extra = a["peak_breakdown"].get(RING_BUFFERS, 0)
+        assert extra in (0, ring["kv_buffer_bytes"], ring["kv_buffer_bytes"] + ring["grad_kv_buffer_bytes"])
+        assert a["peak_bytes"] - extra == sum(v for k, v in a["peak_breakdown"].items() if k != RING_BUFFERS)
+        assert a["peak_bytes"] >= b["peak_bytes"]
+        assert any("ring attention" in note for note in a["estimated"])
+
+
 def test_cp_ranks_hold_fewer_activations_than_one_rank_with_the_whole_sequence(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -117,7 +140,7 @@ def test_alltoall_rotation_holds_less_than_allgather_beyond_two_cp_ranks(capsys:
         ),
         (("--mesh", "dp=4", "--seq", "1024", "--cp-rotate", "alltoall"), "--cp-rotate sizes ring attention's buffers"),
         (("--mesh", "cp=2,dp=2", "--cp-rotate", "alltoall"), "it needs a cp axis > 1 in --mesh and --batch/--seq"),
-        (("--mesh", "pp=2,cp=2,dp=1", "--seq", "1024"), "the pipeline stages' trace does not split the sequence"),
+        (("--mesh", "pp=2,cp=2,dp=1", "--seq", "1022"), "--seq 1022 with cp=2: seq=1022 is not divisible by 4"),
     ],
     ids=["head-tail", "sp", "rotate-without-cp", "rotate-without-trace", "pipelined"],
 )

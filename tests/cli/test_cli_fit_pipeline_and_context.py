@@ -1,6 +1,6 @@
 """``--fit`` across context and pipeline parallelism: ``cp`` candidates are
-the traced step ``plan`` gives with their own options; ``pp`` candidates are
-modelled from the traced blocks and stay within -10%/+25% of the step
+the traced step ``plan`` gives with their own options; ``pp`` candidates
+(with or without ``cp``) are modelled from the traced blocks and stay within -10%/+25% of the step
 ``plan`` traces per stage (the band the traced peaks keep against
 FSDPMemTracker below, wider above: the model errs on the safe side), with
 the same stage peaking; what cannot be searched is listed with why."""
@@ -53,7 +53,7 @@ def test_the_search_spans_cp_and_pp_beside_dp_and_tp(fit: dict[str, Any]) -> Non
     assert any(m.get("cp") == 2 and m.get("tp", 1) > 1 for m in meshes)
     assert {m.get("pp") for m in meshes} >= {2, 4}
     assert any("pp" not in m and "cp" not in m for m in meshes)
-    assert not any("pp" in m and "cp" in m for m in meshes)
+    assert any(m.get("pp") == 2 and m.get("cp") == 2 for m in meshes)
 
 
 @pytest.mark.parametrize(
@@ -78,6 +78,8 @@ def test_a_cp_candidates_peak_is_what_plan_traces_with_its_options(fit: dict[str
         ["--mesh", "pp=2,dp_shard=4", "--schedule", "1F1B", "--microbatches", "4"],
         ["--mesh", "pp=2,dp_shard=2,tp=2", "--sp", "--schedule", "1F1B", "--microbatches", "4", "--ac", "selective"],
         ["--mesh", "pp=4,dp_shard=2", "--schedule", "1F1B", "--microbatches", "4", "--ac", "full"],
+        ["--mesh", "pp=2,dp_shard=2,cp=2", "--schedule", "1F1B", "--microbatches", "4"],
+        ["--mesh", "pp=2,dp_shard=2,cp=2", "--schedule", "1F1B", "--microbatches", "4", "--ac", "full"],
     ],
 )
 def test_a_pp_candidates_modelled_peak_is_within_minus_10_plus_25_percent_of_the_traced_stages(

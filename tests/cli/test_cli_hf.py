@@ -204,3 +204,27 @@ def test_deepseek_v3_on_dp2_tp2_holds_a_quarter_of_its_tp_split_weights_and_half
     assert split > 0.95 * data["model_bytes"]
     got = data["memory"]["params_bytes"]
     assert abs(got - expected) <= 1e-3 * expected, f"{got:,} B per rank, expected {expected:,.0f} B"
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [("--mesh", "dp=2"), ("--mesh", "pp=2,dp=2", "--schedule", "GPipe", "--microbatches", "1")],
+    ids=["step", "pipeline-stages"],
+)
+def test_a_traced_step_without_kv_cache_holds_no_seq_by_seq_mask(
+    capsys: pytest.CaptureFixture[str], mesh: tuple[str, ...]
+) -> None:
+    """Checkpointing (and a pipeline stage) runs a transformers model
+    without a KV cache, which then checks the position ids for packed
+    sequences; a GPU run finds none and attends with ``is_causal``. The
+    trace must too: a ``batch x seq x seq`` mask would make the saved
+    activations grow faster than the sequence (at 4096 tokens it is 16 MiB,
+    as much again as everything else saved)."""
+
+    def activations(seq: int) -> int:
+        data = run_json(capsys, "--hf", "llama", "--hf-config", TINY, *mesh, "--ac", "full", "--batch", "1", "--seq", str(seq))
+        stages = data.get("stages")
+        return sum(s["memory"]["activations_bytes"] for s in stages) if stages else int(data["memory"]["activations_bytes"])
+
+    short, long = activations(2048), activations(4096)
+    assert long <= 2 * short + 4096, (short, long)
