@@ -214,9 +214,23 @@ class ShardSeries:
             0 if grads is None or not bool(self.before_optimizer.any()) else int(grads[self.before_optimizer].max()),
             0 if states is None else int(states[0]),
         )
+        factors = [0.0 if not was else want / was for was, want in zip(traced, target)]
+        scale = {column[k]: f for k, f in zip(_STEADY, factors) if k in column}
+        products = values.double()
+        for i, factor in scale.items():
+            products[:, i] = products[:, i] * factor
+        if products.numel() and float(products.abs().max()) * len(self.keys) >= _INT64_SAFE:
+            # A row's total could pass int64: the plain path's Python
+            # integers, row by row (sizes no real step reaches).
+            return max(
+                sum(int(round(v * scale[i])) if i in scale else v for i, v in enumerate(row))
+                for row in values.tolist()
+            )
         scaled = values.clone()
-        for key, was, want in zip(_STEADY, traced, target):
-            if key in column:
-                factor = want / was if was else 0.0
-                scaled[:, column[key]] = torch.round(values[:, column[key]].double() * factor).long()
+        for i in scale:
+            scaled[:, i] = torch.round(products[:, i]).long()
         return int(scaled.sum(dim=1).max())
+
+
+_INT64_SAFE = float(2**62)
+"""Below this, a scaled sample's categories and their sum stay in int64."""

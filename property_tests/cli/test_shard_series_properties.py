@@ -5,7 +5,7 @@ peak to the byte."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fsdptx.cli._scaling import ShardSeries, at_shard_count, rescale, traced_steady
@@ -33,8 +33,18 @@ def trace_pairs(draw: st.DrawFn) -> tuple[Trace, int, Trace, int]:
     return traces[0], a_shards, traces[1], b_shards
 
 
+def _state_growing_to(last: int) -> Trace:
+    samples = (Sample(0, "forward", "layers.0", {"optimizer_state": 1}), Sample(1, "forward", "layers.1", {"optimizer_state": last}))
+    return Trace(samples, (), activations=0, batch_seq=(1, 8))
+
+
 @settings(max_examples=300, deadline=None)
 @given(pair=trace_pairs(), shards=st.integers(1, 4096), target=st.tuples(sizes, sizes, sizes))
+@example(  # a scaled row past int64: the fast path must not wrap around
+    pair=(_state_growing_to(999_999_895_576), 1, Trace((Sample(0, "forward", "layers.0", {}), Sample(1, "forward", "layers.1", {})), (), activations=0, batch_seq=(1, 8)), 2),
+    shards=1,
+    target=(0, 0, 9_223_373),
+)
 def test_the_series_gives_the_derived_traces_samples_and_rescaled_peak(
     pair: tuple[Trace, int, Trace, int], shards: int, target: tuple[int, int, int]
 ) -> None:
