@@ -19,14 +19,19 @@ own split) then holds, per rank:
   micro-batches until the one reduce-scatter after the last;
 - its blocks' activations for the micro-batches in flight
   (:func:`~fsdptx.plan._stages.in_flight_microbatches`), each micro-batch
-  ``batch / microbatches`` sequences; the last stage also the head's;
-- transients: the largest temporaries the traced step holds (the loss's,
-  an operator's workspace) scaled to one micro-batch, and the collective
-  buffers (one unit's) of its peak as traced;
-- the point-to-point buffers of every micro-batch's input and gradient;
-- on the last stage, the schedule's hold on each micro-batch's output and
-  its loss gradient, outside the module (fp32 logits and their gradient,
-  the vocabulary split over ``tp``).
+  ``batch / microbatches`` sequences; the last stage also the rest of the
+  traced step's (the head's output and what the loss saves);
+- transients scaled to one micro-batch: on the last stage the largest
+  temporaries the traced step holds (the loss's, over the vocabulary), on
+  the others the largest while a unit below the root runs (a block's: the
+  loss runs in the root's); and the collective buffers (one unit's) of
+  its peak as traced;
+- the point-to-point buffers of every micro-batch's input and gradient.
+
+The head's logits and the loss are in the traced step's activations and
+temporaries already; counting the schedule's hold on them again (as this
+model once did) put candidates at 2,048 tokens 30% to 38% above the traced
+stages.
 
 The peak stage is the candidate's peak. Tests compare it with ``plan``
 run with the candidate's options (a traced step per stage).
@@ -39,11 +44,14 @@ the busiest rank's blocks, and FSDP's collectives run over
 ``dp_shard x cp`` ranks, as ``plan`` applies such a pipeline.
 
 Interleaved 1F1B puts several stages on each rank (rank ``r`` holds
-``r``, ``r + pp``, ...): a rank's peak is the sum over its stages, their
-in-flight micro-batches counted as 1F1B over all the stages would (the
-planner's upper bound for interleaved warm-up). No traced step stands
-behind it (the dry run traces one stage per rank); its exact parts are
-compared with ``plan``'s per-rank figures.
+``r``, ``r + pp``, ...): a rank's parameters, gradients, gathered units
+and buffers are the sum over its stages, its activations the most held at
+once as the rank runs its forwards and backwards in torch's own order
+(:func:`~fsdptx.plan._stages.interleaved_1f1b_actions`, :func:`most_held`):
+the stages peak at different moments, so the sum of their maxima would
+overstate it. The dry run traces one stage per rank, so tests compare
+these candidates with a plain tracker run of each rank's stages in that
+order, and their exact parts with ``plan``'s per-rank figures.
 """
 
 from __future__ import annotations
@@ -57,7 +65,14 @@ from torch import nn
 
 from ..model._index import ModelIndex, PlanningError, discover_blocks
 from ..model._stages import pipeline_parts
-from ..plan._stages import PipelineParallelConfig, bubble_fraction, in_flight_microbatches, microbatch_problem, split_stages
+from ..plan._stages import (
+    PipelineParallelConfig,
+    bubble_fraction,
+    in_flight_microbatches,
+    interleaved_1f1b_actions,
+    microbatch_problem,
+    split_stages,
+)
 from ._common import _one_line
 from ._fit_candidate import Candidate
 from ._fit_measure import Measured, extrapolate, ring_bytes
@@ -76,6 +91,7 @@ __all__ = [
     "StagePeak",
     "StageShares",
     "cp_ring_bytes",
+    "most_held",
     "p2p_bytes",
     "evaluate_pipeline",
     "parse_ep",
@@ -161,7 +177,18 @@ class StageShares:
     blocks: tuple[int, ...]
     params: tuple[tuple[str, ...], ...]
     hidden: int | None  # the stream's width between stages (None: not found)
-    vocab: int | None  # the head's output width (None: not found)
+
+
+def most_held(actions: Sequence[tuple[str, int, int]], per_microbatch: Mapping[int, float]) -> float:
+    """The most activations a rank holds at once when it runs ``actions``
+    (``(kind, stage, micro-batch)`` in order): each forward adds one
+    micro-batch's activations of its stage (``per_microbatch``), kept until
+    that micro-batch's backward on the same stage."""
+    held = most = 0.0
+    for kind, stage, _ in actions:
+        held += per_microbatch[stage] if kind == "F" else -per_microbatch[stage]
+        most = max(most, held)
+    return most
 
 
 def stage_shares(model: nn.Module, pp: int, schedule: str, stages_per_rank: int = 1) -> StageShares:
@@ -184,12 +211,10 @@ def stage_shares(model: nn.Module, pp: int, schedule: str, stages_per_rank: int 
     block_set = set(parts.blocks)
     embedding = token_embedding(model)
     hidden = None if embedding is None else embedding.embedding_dim
-    vocab = None if embedding is None else embedding.num_embeddings
     return StageShares(
         blocks=tuple(sum(1 for f in held if f in block_set) for held in split),
         params=tuple(tuple(p) for p in params),
         hidden=hidden,
-        vocab=vocab,
     )
 
 
@@ -224,6 +249,7 @@ def pipeline_peak(
     block_activations: float,
     rest_activations: float,
     token_transient: int,
+    block_transient: int,
     unit_transient: int,
     batch: int,
     seq: int,
@@ -242,7 +268,10 @@ def pipeline_peak(
         shards: rank 0's shard of every parameter at the candidate's mesh.
         block_activations: one block's activations at the whole ``batch``.
         rest_activations: the traced step's activations outside the blocks.
-        token_transient: the traced step's largest temporaries at the whole ``batch``.
+        token_transient: the traced step's largest temporaries at the whole
+            ``batch`` (the loss's, over the vocabulary): the last stage's.
+        block_transient: the largest while a unit below the root runs (a
+            block's; the loss runs in the root's): every other stage's.
         unit_transient: the traced peak's collective buffers (one unit's).
         compute_dtype: the units' compute dtype (``None``: storage dtype).
         reduce_dtype: the dtype their gradients accumulate and reduce in
@@ -275,17 +304,24 @@ def pipeline_peak(
         gathered.append(held)
         grad_numel.append(sum(_tp_local(p, tp) for p in mine.values() if p.requires_grad))
         blocks.append(sum(shares.blocks[s] for s in held_stages))
-        acts = p2p = 0.0
+        # one micro-batch's activations on each of the rank's stages
+        per_microbatch = {
+            s: (shares.blocks[s] * block_activations + (rest_activations if s == stages - 1 else 0)) / microbatches
+            for s in held_stages
+        }
+        if stages_per_rank == 1:
+            acts = in_flight_microbatches(schedule, rank, stages, microbatches) * per_microbatch[rank]
+        else:
+            acts = most_held(interleaved_1f1b_actions(rank, pp, stages_per_rank, microbatches), per_microbatch)
+        p2p = 0.0
         for s in held_stages:
-            flight = in_flight_microbatches(schedule, s, stages, microbatches)
-            acts += flight * (shares.blocks[s] * block_activations + (rest_activations if s == stages - 1 else 0)) / microbatches
             p2p += 2 * stream if 0 < s < stages - 1 else stream  # inputs and their gradients; an end stage one side
-            if s == stages - 1 and shares.vocab is not None:
-                p2p += 2 * batch * seq * ceil_div(shares.vocab, tp) * 4 // microbatches
         # the step's sharded gradients only come from the reduce-scatter after the last backward,
         # when the activations, transients and in-flight buffers of the micro-batches are gone
         params, grads, states = steady
-        during = acts + token_transient / microbatches + unit_transient + p2p
+        # the loss's temporaries (the largest, over the vocabulary) only where the loss is computed
+        transient = token_transient if stages - 1 in held_stages else block_transient
+        during = acts + transient / microbatches + unit_transient + p2p
         peak = int(params + states + held + accumulated + max(during, grads))
         if best is None or peak > best[0]:
             best = (peak, rank, int(acts), steady)
@@ -333,7 +369,7 @@ def evaluate_pipeline(
         ValueError: the schedule cannot run the micro-batches on these stages."""
     shard, rep, tp, cp = mesh["dp_shard"], mesh.get("dp_replicate", 1), mesh.get("tp", 1), mesh.get("cp", 1)
     acts: list[tuple[int, float]] = []
-    by_tokens = by_params = 0
+    by_tokens = by_block = by_params = 0
     tp_comm: list[tuple[int, float]] = []
     ring = None
     for traced in measured.traces:
@@ -346,6 +382,10 @@ def evaluate_pipeline(
         # attention's buffers; the buffers of a unit's collectives grow with its parameters
         # (one unit's, as at the peak)
         by_tokens = max(by_tokens, max((sum(x.bytes.get(k, 0) for k in TOKEN_TRANSIENTS) for x in trace.samples), default=0))
+        by_block = max(
+            by_block,
+            max((sum(x.bytes.get(k, 0) for k in TOKEN_TRANSIENTS) for x in trace.samples if x.unit != ""), default=0),
+        )
         by_params = max(by_params, sum(at_peak.get(k, 0) for k in UNIT_TRANSIENTS))
         acts.append((traced.layers, trace.activations))
         tp_comm.append((traced.layers, sum(c.bytes for c in trace.collectives if c.source == "tp")))
@@ -364,6 +404,7 @@ def evaluate_pipeline(
         block_activations=block,
         rest_activations=rest,
         token_transient=by_tokens,
+        block_transient=by_block,
         unit_transient=by_params,
         batch=pipe.batch,
         seq=pipe.seq // cp,  # a CP rank's stage receives, runs and sends its own tokens

@@ -33,6 +33,7 @@ __all__ = [
     "PipelineParallelConfig",
     "bubble_fraction",
     "in_flight_microbatches",
+    "interleaved_1f1b_actions",
     "microbatch_problem",
     "plan_pipeline",
     "split_stages",
@@ -165,11 +166,64 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, microbatc
     GPipe runs every forward before any backward (all of them); 1F1B starts
     backward once the last stage has its first micro-batch, so stage ``s``
     holds at most ``num_stages - s``. Schedules with several stages per rank
-    are counted like 1F1B over the stages (an upper bound for interleaved
-    warm-up)."""
+    are counted like 1F1B over the stages, an upper bound per stage; what a
+    rank of Interleaved1F1B holds at once follows from its order
+    (:func:`interleaved_1f1b_actions`)."""
     if schedule == "GPipe":
         return microbatches
     return min(microbatches, num_stages - stage)
+
+
+def interleaved_1f1b_actions(
+    rank: int, pp: int, stages_per_rank: int, microbatches: int
+) -> tuple[tuple[str, int, int], ...]:
+    """The forwards (``"F"``) and backwards (``"B"``) pipeline rank ``rank``
+    runs in one step of torch's ``ScheduleInterleaved1F1B``, as
+    ``(kind, stage, micro-batch)`` in its order (its ``pipeline_order``
+    without the idle slots; a test holds them equal).
+
+    Why its own order and not a bound: a rank's stages reach their most
+    micro-batches in flight at different times, and the last stage's
+    micro-batches carry the logits; the sum of the stages' maxima
+    overstates what the rank holds at once. The schedule: the micro-batches
+    go in rounds of ``microbatches // pp`` (at least one); each rank first
+    runs ``(stages_per_rank - 1)`` rounds of forwards plus two more per hop
+    from the last rank (at most all of them), then one forward and one
+    backward in turn, then the remaining backwards; forwards take the
+    rank's stages in order a round at a time, backwards in reverse.
+
+    Raises:
+        ValueError: not a step torch's schedule runs (see :func:`microbatch_problem`).
+    """
+    if not 0 <= rank < pp or stages_per_rank < 1 or microbatches < 1 or not _interleaved_fits(microbatches, pp):
+        raise ValueError(
+            f"interleaved_1f1b_actions: rank {rank} of {pp} with {stages_per_rank} stages and "
+            f"{microbatches} micro-batches is not an Interleaved1F1B step"
+        )
+    per_round = microbatches // max(1, microbatches // pp)
+    total = stages_per_rank * microbatches
+    warmup = min((stages_per_rank - 1) * per_round + 2 * (pp - 1 - rank), total)
+
+    def forward_stage(op: int) -> int:
+        return (op // per_round) % stages_per_rank * pp + rank
+
+    def backward_stage(op: int) -> int:
+        return (stages_per_rank - 1 - (op - warmup) // per_round % stages_per_rank) * pp + rank
+
+    forwards: dict[int, int] = {}
+    backwards: dict[int, int] = {}
+    out: list[tuple[str, int, int]] = []
+
+    def run(kind: str, stage: int, done: dict[int, int]) -> None:
+        out.append((kind, stage, done.get(stage, 0)))
+        done[stage] = done.get(stage, 0) + 1
+
+    for op in range(total + warmup):  # warmup forwards, total - warmup pairs, warmup backwards
+        if op < total:
+            run("F", forward_stage(op), forwards)
+        if op >= warmup:
+            run("B", backward_stage(op), backwards)
+    return tuple(out)
 
 
 def _interleaved_fits(microbatches: int, pp: int) -> bool:

@@ -1,9 +1,10 @@
 """``--fit`` across context and pipeline parallelism: ``cp`` candidates are
 the traced step ``plan`` gives with their own options; ``pp`` candidates
-(with or without ``cp``) are modelled from the traced blocks and stay within -10%/+25% of the step
-``plan`` traces per stage (the band the traced peaks keep against
-FSDPMemTracker below, wider above: the model errs on the safe side), with
-the same stage peaking; what cannot be searched is listed with why."""
+(with or without ``cp``, interleaved or not) are modelled from the traced
+blocks and stay within -10%/+15% of the step ``plan`` traces per stage
+(interleaved ones: of a tracker run of each rank's stages in torch's
+order), the sizing targets' band, with the same stage peaking; what cannot be
+searched is listed with why."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ from typing import Any
 
 import pytest
 
+from fsdptx import FSDP2Config, PipelineParallelConfig
+from fsdptx.cli._fit_dims import most_held
 from fsdptx.cli._main import main
+from fsdptx.plan._stages import interleaved_1f1b_actions
+from rank_tracker_recipe import rank_tracker_peak
 
 MODEL = ("--preset", "llama", "--layers", "4", "--batch", "4", "--seq", "512")
+LONG = ("--preset", "llama", "--layers", "4", "--batch", "4", "--seq", "2048")  # activations about half the peak
 SEARCH = ("--fit", "8x8GiB", "--fit-cp", "2", "--fit-pp", "2,4", "--json")
 
 
@@ -82,15 +88,29 @@ def test_a_cp_candidates_peak_is_what_plan_traces_with_its_options(fit: dict[str
         ["--mesh", "pp=2,dp_shard=2,cp=2", "--schedule", "1F1B", "--microbatches", "4", "--ac", "full"],
     ],
 )
-def test_a_pp_candidates_modelled_peak_is_within_minus_10_plus_25_percent_of_the_traced_stages(
+def test_a_pp_candidates_modelled_peak_is_within_minus_10_plus_15_percent_of_the_traced_stages(
     fit: dict[str, Any], argv: list[str]
 ) -> None:
     candidate = _find(fit, argv)
     memory = _json(["plan", *MODEL, *argv, "--json"])["memory"]
     traced = memory["peak_bytes"]
-    assert 0.9 * traced <= candidate["peak_bytes"] <= 1.25 * traced, (candidate["peak_bytes"], traced)
+    assert 0.9 * traced <= candidate["peak_bytes"] <= 1.15 * traced, (candidate["peak_bytes"], traced)
     assert candidate["pipeline"]["peak_stage"] == memory["peak_stage"]
     assert candidate["pipeline"] == {**candidate["pipeline"], "schedule": "1F1B", "microbatches": 4, "modelled": True}
+
+
+@pytest.mark.parametrize("ac", [None, "full"])
+def test_at_long_sequences_a_pp_candidate_counts_the_heads_logits_once(ac: str | None) -> None:
+    """At 2,048 tokens the last stage's logits and their loss are a third of
+    its peak: counted in the traced step's activations and temporaries, and
+    nowhere else (the first stage keeps only its blocks' temporaries)."""
+    argv = ["--mesh", "pp=2,dp_shard=2", "--schedule", "1F1B", "--microbatches", "4", *([] if ac is None else ["--ac", ac])]
+    fit = _json(["plan", *LONG, "--fit", "4x8GiB", "--fit-cp", "1", "--fit-pp", "2", "--schedule", "1F1B", "--json"])["fit"]
+    candidate = _find(fit, argv)
+    memory = _json(["plan", *LONG, *argv, "--json"])["memory"]
+    traced = memory["peak_bytes"]
+    assert 0.9 * traced <= candidate["peak_bytes"] <= 1.15 * traced, (candidate["peak_bytes"], traced)
+    assert candidate["pipeline"]["peak_stage"] == memory["peak_stage"]
 
 
 def test_a_pp_candidates_step_counts_the_bubble_and_divides_the_work_by_its_stages(fit: dict[str, Any]) -> None:
@@ -164,13 +184,18 @@ def test_the_search_tries_interleaved_1f1b_beside_1f1b_with_half_the_bubble(fit:
     assert pairs >= 4
 
 
-def test_an_interleaved_candidates_exact_parts_are_what_plan_gives_its_busiest_rank() -> None:
+@pytest.fixture(scope="module")
+def interleaved_fit() -> dict[str, Any]:
+    argv = ["plan", *LONG, "--fit", "4x8GiB", "--fit-cp", "1", "--fit-pp", "2", "--schedule", "Interleaved1F1B", "--json"]
+    return _json(argv)["fit"]  # type: ignore[no-any-return]
+
+
+def test_an_interleaved_candidates_exact_parts_are_what_plan_gives_its_busiest_rank(interleaved_fit: dict[str, Any]) -> None:
     """The interleaved step is not traced (the dry run refuses --batch with
     several stages per rank), so its candidate is checked where ``plan`` is
     exact: each pp rank's parameters, gradients and optimizer state over
     its two stages, from shapes."""
-    fit = _json(["plan", *MODEL, "--fit", "4x8GiB", "--fit-cp", "1", "--fit-pp", "2", "--schedule", "Interleaved1F1B", "--json"])["fit"]
-    found = [c for c in _candidates(fit) if c["pipeline"] and not c["offload"]]
+    found = [c for c in _candidates(interleaved_fit) if c["pipeline"] and not c["offload"]]
     assert found and all(c["pipeline"]["schedule"] == "Interleaved1F1B" for c in found)
     for c in found[:2]:
         model = MODEL[:4]  # the preset without --batch/--seq: shapes only
@@ -182,3 +207,38 @@ def test_an_interleaved_candidates_exact_parts_are_what_plan_gives_its_busiest_r
             rank["memory"]["grads_bytes"],
             rank["memory"]["optimizer_bytes"],
         )
+
+
+@pytest.mark.parametrize("ac", [None, "selective", "full"])
+def test_an_interleaved_candidates_modelled_peak_is_within_minus_10_plus_15_percent_of_its_ranks_tracked_step(
+    interleaved_fit: dict[str, Any], ac: str | None
+) -> None:
+    """Against the plain tracker run of each pp rank's two stages in the
+    order torch's Interleaved1F1B gives that rank (``rank_tracker_recipe``),
+    at a sequence long enough that the activations in flight are about
+    half the peak: within the band 1F1B candidates keep, naming the same rank."""
+    argv = ["--mesh", "pp=2,dp_shard=2", "--schedule", "Interleaved1F1B", "--microbatches", "4", "--stages-per-rank", "2"]
+    candidate = _find(interleaved_fit, argv + ([] if ac is None else ["--ac", ac]))
+    pipeline = PipelineParallelConfig(schedule="Interleaved1F1B", microbatches=4, stages_per_rank=2)
+    config = FSDP2Config(pipeline_parallel=pipeline, **({} if ac is None else {"activation_checkpointing": ac}))
+    layers, seq = (int(LONG[LONG.index(flag) + 1]) for flag in ("--layers", "--seq"))
+    hidden = (1, seq, 1024)  # one sequence per micro-batch (--batch 4, 4 micro-batches), the preset's width
+    peaks = [rank_tracker_peak(layers, seq, (2, 2), ("pp", "dp_shard"), config, pp_rank=r, hidden=hidden) for r in (0, 1)]
+    tracked = max(peaks)
+    assert 0.9 * tracked <= candidate["peak_bytes"] <= 1.15 * tracked, (candidate["peak_bytes"], peaks)
+    # closer still: the rank's activations follow torch's order (counting one micro-batch per stage
+    # gives -7.6% here, summing each stage's 1F1B count +4.5%)
+    assert abs(candidate["peak_bytes"] / tracked - 1) <= 0.03, (candidate["peak_bytes"], peaks)
+    assert candidate["pipeline"]["peak_pp_rank"] == peaks.index(tracked)
+
+
+def test_an_interleaved_rank_holds_at_most_what_its_order_keeps_at_once() -> None:
+    """Rank 1 of 2, two stages (1 and 3), four micro-batches: stage 1 has
+    three in flight and stage 3 one, but never at the same moment; with
+    stage 3 carrying the head the most held at once is two of stage 1's and
+    one of stage 3's."""
+    actions = interleaved_1f1b_actions(1, 2, 2, 4)
+    assert actions[:6] == (("F", 1, 0), ("F", 1, 1), ("F", 3, 0), ("B", 3, 0), ("F", 3, 1), ("B", 3, 1))
+    assert most_held(actions, {1: 10.0, 3: 100.0}) == 2 * 10.0 + 100.0
+    assert most_held(actions, {1: 10.0, 3: 1.0}) == 3 * 10.0
+

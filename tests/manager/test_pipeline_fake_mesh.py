@@ -217,3 +217,32 @@ def test_blocks_of_two_classes_plan_and_parallelize_stages_in_forward_order(kind
             names = {n for n, _ in module.named_parameters()}
             assert names == {p for u in planned.pipeline.stages[index].plan.units for p in u.params}
             assert all(isinstance(p, DTensor) for _, p in module.named_parameters())
+
+
+@pytest.mark.parametrize(
+    ("pp", "stages_per_rank", "microbatches"),
+    [(2, 2, 4), (2, 2, 2), (2, 3, 4), (4, 2, 8), (4, 2, 4), (2, 2, 6), (4, 2, 3), (2, 4, 8)],
+)
+def test_each_ranks_interleaved_1f1b_order_is_the_one_torchs_schedule_runs(
+    pp: int, stages_per_rank: int, microbatches: int
+) -> None:
+    """``interleaved_1f1b_actions``, which ``--fit`` walks to count a rank's
+    activations in flight, against the ``pipeline_order`` torch's
+    ``ScheduleInterleaved1F1B`` computes for the stages ``parallelize`` builds."""
+    from fsdptx.plan._stages import interleaved_1f1b_actions
+
+    config = FSDP2Config(
+        pipeline_parallel=PipelineParallelConfig(
+            schedule="Interleaved1F1B", microbatches=microbatches, stages_per_rank=stages_per_rank
+        )
+    )
+    with fake_mesh((pp,), ("pp",)) as mesh:
+        stages = FSDP2Manager(config, mesh).parallelize(_decoder(pp * stages_per_rank, "meta"), loss_fn=loss_fn)
+        assert not isinstance(stages, nn.Module)
+        for rank in range(pp):
+            theirs = tuple(
+                ("F" if a.computation_type.name == "FORWARD" else "B", a.stage_index, a.microbatch_index)
+                for a in stages.schedule.pipeline_order[rank]
+                if a is not None
+            )
+            assert interleaved_1f1b_actions(rank, pp, stages_per_rank, microbatches) == theirs

@@ -251,3 +251,11 @@ def test_the_pipeline_is_printed_with_its_stages_and_each_stages_units() -> None
     text = str(planned)
     assert "2 stages on pp=2" in text and "schedule 1F1B, 4 micro-batches" in text
     assert "stage 1 (pp rank 1)" in text and "layers.3" in text
+
+
+@pytest.mark.parametrize("args", [(2, 2, 2, 4), (0, 2, 0, 4), (0, 4, 2, 9)])
+def test_interleaved_orders_torch_would_not_run_are_refused(args: tuple[int, int, int, int]) -> None:
+    from fsdptx.plan._stages import interleaved_1f1b_actions
+
+    with pytest.raises(ValueError, match="is not an Interleaved1F1B step"):
+        interleaved_1f1b_actions(*args)
