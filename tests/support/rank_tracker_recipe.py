@@ -38,6 +38,7 @@ from fsdptx.core._torch_internals import own_propagation_fake_mode
 from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import build_preset
 from fsdptx.testing import fake_mesh
+from stage_tracker_recipe import loss
 
 __all__ = ["rank_tracker_peak"]
 
@@ -60,10 +61,6 @@ class _TotalsOnly(MemTracker):
         pass
 
 
-def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(output.flatten(0, -2).float(), target.flatten())
-
-
 def rank_tracker_peak(
     layers: int,
     seq: int,
@@ -82,7 +79,7 @@ def rank_tracker_peak(
         model = build_preset("llama", layers)
     rank = pp_rank * (math.prod(shape) // shape[0])
     with fake_mesh(shape, names, rank=rank) as mesh:
-        stages = FSDP2Manager(config, mesh).parallelize(model, loss_fn=_loss)
+        stages = FSDP2Manager(config, mesh).parallelize(model, loss_fn=loss)
         assert not isinstance(stages, nn.Module) and len(stages.modules) > 1, "a rank with several stages"
         order = [a for a in stages.schedule.pipeline_order[pp_rank] if a is not None]
         m = stages.microbatches
@@ -110,7 +107,7 @@ def rank_tracker_peak(
                             x = tokens[i] if s == 0 else received[s][i].requires_grad_(True)
                             out = module(x)
                             # torch's stage keeps the output until its backward; the last one's loss too
-                            held[(s, i)] = (_loss(out, labels[i]), out) if s == last else (out, out)
+                            held[(s, i)] = (loss(out, labels[i]), out) if s == last else (out, out)
                             del out
                         else:
                             assert action.computation_type.name == "FULL_BACKWARD", action

@@ -30,7 +30,7 @@ from fsdptx.manager import FSDP2Config, FSDP2Manager
 from fsdptx.presets import build_preset
 from fsdptx.testing import fake_mesh
 
-__all__ = ["StageReference", "stage_tracker_reference"]
+__all__ = ["StageReference", "loss", "stage_tracker_reference"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ class StageReference:
     peak: int
 
 
-def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The training loss both pipeline recipes run: fp32 cross entropy over every token."""
     return nn.functional.cross_entropy(output.flatten(0, -2).float(), target.flatten())
 
 
@@ -69,7 +70,7 @@ def stage_tracker_reference(
         model = build_preset("llama", layers)
     rank = pp_rank * (math.prod(shape) // shape[0])
     with fake_mesh(shape, names, rank=rank) as mesh:
-        stages = FSDP2Manager(config, mesh).parallelize(model, loss_fn=_loss)
+        stages = FSDP2Manager(config, mesh).parallelize(model, loss_fn=loss)
         assert not isinstance(stages, nn.Module)
         (module,) = stages.modules
         (torch_stage,) = stages.stages
@@ -95,7 +96,7 @@ def stage_tracker_reference(
                             x = inputs[i] if stages.is_first else inputs[i].requires_grad_(True)
                             out = module(x)
                             # torch's stage keeps the output until its backward; the last one's loss too
-                            held[i] = (_loss(out, labels[i]), out) if stages.is_last else (out, out)
+                            held[i] = (loss(out, labels[i]), out) if stages.is_last else (out, out)
                             del out
                             snapshot = tracker.get_tracker_snapshot()
                             (dev,) = snapshot
