@@ -20,7 +20,11 @@ own split) then holds, per rank:
 - its blocks' activations for the micro-batches in flight
   (:func:`~fsdptx.plan._stages.in_flight_microbatches`), each micro-batch
   ``batch / microbatches`` sequences; the last stage also the rest of the
-  traced step's (the head's output and what the loss saves);
+  traced step's (what the loss saves) and its output, the logits, which
+  the schedule keeps until the micro-batch's backward (the traced step
+  drops them once the loss has them); a stage that runs every forward
+  before its first backward holds all of them before any gradient
+  exists, and one micro-batch fewer once all do;
 - transients scaled to one micro-batch: on the last stage the largest
   temporaries the traced step holds (the loss's, over the vocabulary), on
   the others the largest while a unit below the root runs (a block's: the
@@ -28,10 +32,10 @@ own split) then holds, per rank:
   its peak as traced;
 - the point-to-point buffers of every micro-batch's input and gradient.
 
-The head's logits and the loss are in the traced step's activations and
-temporaries already; counting the schedule's hold on them again (as this
-model once did) put candidates at 2,048 tokens 30% to 38% above the traced
-stages.
+The loss's fp32 logits and their gradient are in the traced step's
+activations and temporaries already; counting them again on the last
+stage (as this model once did) put 1F1B candidates at 2,048 tokens 30% to
+38% above the traced stages.
 
 The peak stage is the candidate's peak. Tests compare it with ``plan``
 run with the candidate's options (a traced step per stage).
@@ -177,6 +181,7 @@ class StageShares:
     blocks: tuple[int, ...]
     params: tuple[tuple[str, ...], ...]
     hidden: int | None  # the stream's width between stages (None: not found)
+    vocab: int | None  # the head's output width (None: not found)
 
 
 def most_held(actions: Sequence[tuple[str, int, int]], per_microbatch: Mapping[int, float]) -> float:
@@ -211,10 +216,12 @@ def stage_shares(model: nn.Module, pp: int, schedule: str, stages_per_rank: int 
     block_set = set(parts.blocks)
     embedding = token_embedding(model)
     hidden = None if embedding is None else embedding.embedding_dim
+    vocab = None if embedding is None else embedding.num_embeddings
     return StageShares(
         blocks=tuple(sum(1 for f in held if f in block_set) for held in split),
         params=tuple(tuple(p) for p in params),
         hidden=hidden,
+        vocab=vocab,
     )
 
 
@@ -290,6 +297,9 @@ def pipeline_peak(
     if shares.hidden is not None:
         local_seq = seq // tp if sequence_parallel and tp > 1 else seq
         stream = batch * local_seq * shares.hidden * act_bytes  # every micro-batch's boundary tensor, together
+    # the head's output for the whole batch, the whole vocabulary on every TP rank (a TP plan may
+    # return it replicated; with loss_parallel it is a shard, and this errs high)
+    output = 0 if shares.vocab is None else batch * seq * shares.vocab * act_bytes
     best: tuple[int, int, int, tuple[int, int, int]] | None = None
     gathered: list[int] = []
     grad_numel: list[int] = []
@@ -304,13 +314,20 @@ def pipeline_peak(
         gathered.append(held)
         grad_numel.append(sum(_tp_local(p, tp) for p in mine.values() if p.requires_grad))
         blocks.append(sum(shares.blocks[s] for s in held_stages))
-        # one micro-batch's activations on each of the rank's stages
+        # one micro-batch's activations on each of the rank's stages; the last one's also its
+        # output, which the schedule keeps until that micro-batch's backward (the traced step drops
+        # the logits once the loss has them)
         per_microbatch = {
-            s: (shares.blocks[s] * block_activations + (rest_activations if s == stages - 1 else 0)) / microbatches
+            s: (shares.blocks[s] * block_activations + (rest_activations + output if s == stages - 1 else 0)) / microbatches
             for s in held_stages
         }
+        # with its gradients: what is still held once the first backward has made them all
+        acts_with_grads = None
         if stages_per_rank == 1:
-            acts = in_flight_microbatches(schedule, rank, stages, microbatches) * per_microbatch[rank]
+            flight = in_flight_microbatches(schedule, rank, stages, microbatches)
+            acts = flight * per_microbatch[rank]
+            if flight == microbatches:  # every forward before the first backward: none runs after it
+                acts_with_grads = (microbatches - 1) * per_microbatch[rank]
         else:
             acts = most_held(interleaved_1f1b_actions(rank, pp, stages_per_rank, microbatches), per_microbatch)
         p2p = 0.0
@@ -321,8 +338,12 @@ def pipeline_peak(
         params, grads, states = steady
         # the loss's temporaries (the largest, over the vocabulary) only where the loss is computed
         transient = token_transient if stages - 1 in held_stages else block_transient
-        during = acts + transient / microbatches + unit_transient + p2p
-        peak = int(params + states + held + accumulated + max(during, grads))
+        others = transient / microbatches + unit_transient + p2p
+        if acts_with_grads is None:
+            during = acts + others + accumulated
+        else:  # the activations peak before the gradients exist, and one micro-batch's are gone once they all do
+            during = max(acts, acts_with_grads + accumulated) + others
+        peak = int(params + states + held + max(during, accumulated + grads))
         if best is None or peak > best[0]:
             best = (peak, rank, int(acts), steady)
     assert best is not None  # a split has at least one stage

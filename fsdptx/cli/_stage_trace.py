@@ -251,12 +251,14 @@ def trace_stage(
                     module.set_is_last_backward(False)
                     module.set_reshard_after_backward(False)
                     module.set_requires_gradient_sync(False)
-                    root = cache.pop(i)[0]
+                    # torch's backward_one_chunk pops the output from its cache and keeps it in
+                    # a local until the backward returns: the output lives through it
+                    root, output = cache.pop(i)
                     if last:
                         root.backward()
                     else:
                         torch.autograd.backward(root, grad_buffers[i])
-                    del root
+                    del root, output
                 spans.append((start, len(tracker.samples)))
             tracker.stage = "reduce_grad"
             torch_stage.perform_reduce_grad(m)

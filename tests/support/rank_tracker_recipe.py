@@ -114,12 +114,12 @@ def rank_tracker_peak(
                             module.set_is_last_backward(False)
                             module.set_reshard_after_backward(False)
                             module.set_requires_gradient_sync(False)
-                            root = held.pop((s, i))[0]
+                            root, output = held.pop((s, i))  # torch keeps the output through the backward
                             if s == last:
                                 root.backward()
                             else:
                                 root.backward(grads[s][i])
-                            del root
+                            del root, output
                     for torch_stage in stages.stages:
                         torch_stage.perform_reduce_grad(m)
                     optimizer.step()

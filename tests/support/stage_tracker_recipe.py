@@ -105,12 +105,12 @@ def stage_tracker_reference(
                             module.set_is_last_backward(False)
                             module.set_reshard_after_backward(False)
                             module.set_requires_gradient_sync(False)
-                            root = held.pop(i)[0]
+                            root, output = held.pop(i)  # torch keeps the output through the backward
                             if stages.is_last:
                                 root.backward()
                             else:
                                 root.backward(grads[i])
-                            del root
+                            del root, output
                     torch_stage.perform_reduce_grad(m)
                     after_reduce = tracker.get_tracker_snapshot()
                     optimizer.step()
