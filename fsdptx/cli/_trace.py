@@ -77,6 +77,8 @@ RING_BUFFERS = "cp_ring_buffers"
 """The category of ring attention's K/V rotation buffers, which a CP step
 holds and no CPU kernel allocates: modelled, not traced (:mod:`fsdptx.cli._cp`)."""
 
+_DEVICE_QUERY = torch.ops.prim.device.default
+
 # Collectives as the tracker sees them, below DTensor and FSDP: FSDP's own
 # (c10d in-place ops) and DTensor's functional ones (TP redistributions).
 _COLLECTIVES: dict[str, str] = {
@@ -168,6 +170,11 @@ class _StepTracker(FSDPMemTracker):
         return sample
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is _DEVICE_QUERY and DTensor not in types:
+            # Fake tensors answer C++'s ``device()`` through dispatch: two in
+            # three operators a traced step sees, none allocating. Tracking
+            # them would only repeat the last sample.
+            return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
         op = _COLLECTIVES.get(op_name(func)) if out is not NotImplemented else None
         if op is not None:
