@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,43 +323,54 @@ def cp_lane(ring: Any, samples: Sequence[Sample]) -> Lane:
     return Lane(f"cp ring (modelled, {ring.rotate_method})", tuple(marks))
 
 
-def _stage_lanes(stage: Any, stage_index: int, last_stage: int) -> tuple[Lane, ...]:
-    """A pipeline stage's schedule (each forward and backward of a
-    micro-batch where it ran in the trace) and its point-to-point
+def _schedule_lanes(
+    samples: Sequence[Any],
+    actions: Sequence[tuple[str, int, int]],
+    spans: Sequence[tuple[int, int]],
+    received: Mapping[int, Any],
+    sent: Mapping[int, Any],
+    last_stage: int,
+) -> tuple[Lane, ...]:
+    """A traced pipeline rank's schedule (each forward and backward of a
+    stage's micro-batch where it ran in the trace) and its point-to-point
     transfers: activations in before a forward and out after it, their
-    gradients the other way round a backward."""
+    gradients the other way round a backward. ``actions`` are
+    ``(kind, stage, micro-batch)``; ``received``/``sent`` each stage's
+    :class:`fsdptx.cli._stage_trace.ActivationMeta` (None at the ends)."""
     from ..core._sizes import format_bytes
 
-    samples = stage.trace.samples
-    actions, p2p = [], []
-    got = 0 if stage.received is None else stage.received.nbytes
-    sent = 0 if stage.sent is None else stage.sent.nbytes
-    for (kind, mb), (first, stop) in zip(stage.actions, stage.spans):
+    several = len(received) > 1
+    marks, p2p = [], []
+    for (kind, s, mb), (first, stop) in zip(actions, spans):
         if stop <= first:
             continue
+        got = 0 if received[s] is None else received[s].nbytes
+        out = 0 if sent[s] is None else sent[s].nbytes
         a, b = samples[first].index, samples[stop - 1].index
         forward = kind == "F"
-        actions.append(Mark(a, b, "#9ecae9" if forward else "#fdae6b", f"{'forward' if forward else 'backward'} of micro-batch {mb}"))
-        recv = got if forward and stage_index > 0 else sent if not forward and stage_index < last_stage else 0
-        send = sent if forward and stage_index < last_stage else got if not forward and stage_index > 0 else 0
+        where = f" of stage {s}" if several else ""
+        marks.append(Mark(a, b, "#9ecae9" if forward else "#fdae6b", f"{'forward' if forward else 'backward'}{where} of micro-batch {mb}"))
+        recv = got if forward and s > 0 else out if not forward and s < last_stage else 0
+        send = out if forward and s < last_stage else got if not forward and s > 0 else 0
         grad = "" if forward else "gradient of the "
         if recv:
-            peer = stage_index - 1 if forward else stage_index + 1
+            peer = s - 1 if forward else s + 1
             p2p.append(Mark(a, a, "#3182bd", f"receive the {grad}activations of micro-batch {mb} from stage {peer}: {format_bytes(recv)}"))
         if send:
-            peer = stage_index + 1 if forward else stage_index - 1
+            peer = s + 1 if forward else s - 1
             p2p.append(Mark(b, b, "#e6550d", f"send the {grad}activations of micro-batch {mb} to stage {peer}: {format_bytes(send)}"))
-    return (Lane("schedule", tuple(actions)), Lane("pp p2p", tuple(p2p)))
+    return (Lane("schedule", tuple(marks)), Lane("pp p2p", tuple(p2p)))
 
 
-def render_pipeline_html(data: dict[str, Any], stages: Sequence[Any]) -> str:
+def render_pipeline_html(data: dict[str, Any], run: Any) -> str:
     """The page of a pipelined dry run: each stage's traced step (its
     schedule's forwards and backwards, P2P transfers and collectives on
-    its time axis), the peak stage first named.
+    its time axis), or each pipeline rank's where a rank runs several
+    stages, the peak first named.
 
     Args:
         data: the report as :func:`fsdptx.cli._pipeline.pipeline_report` returns it.
-        stages: the dry run's :class:`fsdptx.cli._pipeline.StageRun` list, traced.
+        run: the traced :class:`fsdptx.cli._pipeline.PipelineRun`.
 
     Returns:
         The whole HTML document.
@@ -370,17 +381,38 @@ def render_pipeline_html(data: dict[str, Any], stages: Sequence[Any]) -> str:
     pipe = data["pipeline"]
     title = html.escape(f"fsdptx plan: {data['model']} on {mesh}")
     top = data["memory"]
+    where = "" if top["peak_stage"] is None else f" in stage {top['peak_stage']}"
     body = (
-        f"<p>{pipe['size']} pipeline stages, schedule {html.escape(pipe['schedule'])}, {pipe['microbatches']} "
-        f"micro-batches; the busiest rank peaks at {html.escape(format_bytes(top['peak_bytes']))} in stage "
-        f"{top['peak_stage']} ({html.escape(top['peak_at'])}).</p>"
+        f"<p>{len(data['stages'])} pipeline stages on {pipe['size']} ranks, schedule {html.escape(pipe['schedule'])}, "
+        f"{pipe['microbatches']} micro-batches; the busiest rank (pp rank {top['pp_rank']}) peaks at "
+        f"{html.escape(format_bytes(top['peak_bytes']))}{where} ({html.escape(top['peak_at'])}).</p>"
     )
-    last = len(stages) - 1
-    for run, stage in zip(stages, data["stages"]):
+    last = len(data["stages"]) - 1
+    if run.ranks:
+        for traced, rank in zip(run.ranks, data["ranks"]):
+            m = {**rank["memory"]["traced"]}
+            stages = ", ".join(map(str, rank["stages"]))
+            body += f"<h2>Pipeline rank {rank['rank']} (stages {stages}){' &mdash; the peak' if rank['rank'] == top['pp_rank'] else ''}</h2>"
+            body += _intro(m, f"Pipeline rank {rank['rank']}'s step, its stages {stages} in the schedule's order")
+            lanes = _schedule_lanes(traced.trace.samples, traced.actions, traced.spans, traced.received, traced.sent, last)
+            body += _memory_svg(traced.trace.samples, traced.trace.collectives, m["peak_at"], lanes, key=f"r{rank['rank']}")
+            for stage in (s for s in data["stages"] if s["rank"] == rank["rank"]):
+                body += f"<h3>Units of stage {stage['index']}</h3>{_table(stage)}"
+        return _page(title, body)
+    for sr, stage in zip(run.stages, data["stages"]):
         m = stage["memory"]
+        t = sr.trace
         body += f"<h2>Stage {stage['index']} (pp rank {stage['rank']}){' &mdash; the peak' if stage['index'] == top['peak_stage'] else ''}</h2>"
         body += _intro(m, f"Stage {stage['index']}'s step on one rank, every micro-batch of it")
-        body += _memory_svg(run.trace.trace.samples, run.trace.trace.collectives, m["peak_at"], _stage_lanes(run.trace, stage["index"], last), key=str(stage["index"]))
+        lanes = _schedule_lanes(
+            t.trace.samples,
+            [(kind, stage["index"], mb) for kind, mb in t.actions],
+            t.spans,
+            {stage["index"]: t.received},
+            {stage["index"]: t.sent},
+            last,
+        )
+        body += _memory_svg(t.trace.samples, t.trace.collectives, m["peak_at"], lanes, key=str(stage["index"]))
         body += f"<h3>Units</h3>{_table(stage)}"
     return _page(title, body)
 
@@ -399,9 +431,9 @@ def write_pipeline_html(path: str, data: dict[str, Any], run: Any) -> None:
     """Write :func:`render_pipeline_html` of a pipelined dry run that traced its stages to ``path``."""
     from ._common import UsageError
 
-    if any(s.trace is None for s in run.stages):
+    if not run.ranks and any(s.trace is None for s in run.stages):
         raise UsageError("--html needs a traced step; this dry run traced none")
-    _write(path, render_pipeline_html(data, run.stages))
+    _write(path, render_pipeline_html(data, run))
 
 
 def _write(path: str, page: str) -> None:

@@ -50,10 +50,10 @@ from ._common import APPLY_BUDGET, UsageError, _one_line, param_shards
 from ._cp import attention_projections, no_attention_error, ring_attention, with_ring_buffers
 from ._memory import MemoryEstimate, estimate_from_trace
 from ._scaling import rescale, steady_bytes, traced_steady
-from ._trace import vocab_size, where_label
+from ._trace import Trace, vocab_size, where_label
 from ._report import ParamShard
 from ._run import DryRun
-from ._stage_trace import TRACED_SCHEDULES, ActivationMeta, StageTrace, trace_stage
+from ._stage_trace import TRACED_SCHEDULES, ActivationMeta, RankTrace, StageTrace, trace_rank, trace_stage
 
 __all__ = ["PipelineRun", "add_pipeline_arguments", "fit_schedules", "pipeline_config", "pipeline_dry_run", "run_pipeline_plan"]
 
@@ -179,6 +179,7 @@ class PipelineRun:
     params: int
     stages: tuple[StageRun, ...]
     micro_batch: tuple[int, int] | None = None
+    ranks: tuple[RankTrace, ...] = ()  # traced ranks of several stages each (their stages carry no trace)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -272,10 +273,15 @@ def pipeline_dry_run(
             param_shards(module, s.plan, dims, fsdp_applied=applied == "full") for s, module in zip(pipeline.stages, modules)
         ]
         traces: list[StageTrace | None] = [None] * num
+        ranks: tuple[RankTrace, ...] = ()
         if micro is not None:
-            traces = list(_trace_stages(model, pipeline, modules, applied, micro, mesh, dims, cp_rotate))
+            _check_traceable(model, applied, dims)
+            if pipeline.stages_per_rank > 1:
+                ranks = _trace_ranks(model, pipeline, modules, micro, mesh, dims, cp_rotate)
+            else:
+                traces = list(_trace_stages(model, pipeline, modules, micro, mesh, dims, cp_rotate))
     stages = tuple(StageRun(s, sh, t) for s, sh, t in zip(pipeline.stages, shards, traces))
-    return PipelineRun(plan=p, dims=dims, applied=applied, params=n_params, stages=stages, micro_batch=micro)
+    return PipelineRun(plan=p, dims=dims, applied=applied, params=n_params, stages=stages, micro_batch=micro, ranks=ranks)
 
 
 def _micro_batch(pipeline: Pipeline, batch_seq: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -286,8 +292,8 @@ def _micro_batch(pipeline: Pipeline, batch_seq: tuple[int, int] | None) -> tuple
         return None
     if pipeline.schedule not in TRACED_SCHEDULES:
         raise UsageError(
-            f"--batch/--seq trace the step of schedules with one stage per rank ({', '.join(TRACED_SCHEDULES)}), "
-            f"not {pipeline.schedule}; drop them for the exact shape-only figures of every stage"
+            f"--batch/--seq trace the step of the schedules {', '.join(TRACED_SCHEDULES)}, not {pipeline.schedule}; "
+            "drop them for the exact shape-only figures of every stage"
         )
     batch, seq = batch_seq
     m = pipeline.microbatches
@@ -300,11 +306,36 @@ def _micro_batch(pipeline: Pipeline, batch_seq: tuple[int, int] | None) -> tuple
     return batch // m, seq
 
 
+def _check_traceable(model: nn.Module, applied: str, dims: ParallelDims) -> None:
+    if applied != "full":
+        raise UsageError(
+            "the activation trace needs fully_shard applied, and this mesh is larger than the dry run "
+            f"simulates ({APPLY_BUDGET:,} parameter shards); trace a smaller dp_shard: activations per "
+            "rank do not depend on it"
+        )
+    if dims.cp > 1 and not attention_projections(model):
+        raise UsageError(no_attention_error(model))
+
+
+def _untraceable(what: str, e: Exception) -> UsageError:
+    return UsageError(
+        f"{what}'s step could not be traced under FakeTensorMode ({type(e).__name__}: "
+        f"{' '.join(str(e).split())[:300]}); plan without --batch/--seq for the shape-only figures"
+    )
+
+
+def _with_ring(trace: Trace, module: nn.Module, stage: Stage, micro: tuple[int, int], dims: ParallelDims, cp_rotate: str) -> Trace:
+    """``trace`` with ring attention's buffers of the stage's own attention layers (``cp`` > 1)."""
+    if dims.cp == 1:
+        return trace
+    ring = ring_attention(module, stage.plan, cp=dims.cp, tp=dims.tp, rotate_method=cp_rotate, batch=micro[0], seq=micro[1])
+    return with_ring_buffers(trace, ring)
+
+
 def _trace_stages(
     model: nn.Module,
     pipeline: Pipeline,
     modules: Sequence[nn.Module],
-    applied: str,
     micro: tuple[int, int],
     mesh: DeviceMesh,
     dims: ParallelDims,
@@ -314,14 +345,6 @@ def _trace_stages(
     one before it hands on. A CP rank's stage runs ``seq / cp`` tokens (what
     it receives and sends too); the ring buffers of the stage's own
     attention layers are added to its trace."""
-    if applied != "full":
-        raise UsageError(
-            "the activation trace needs fully_shard applied, and this mesh is larger than the dry run "
-            f"simulates ({APPLY_BUDGET:,} parameter shards); trace a smaller dp_shard: activations per "
-            "rank do not depend on it"
-        )
-    if dims.cp > 1 and not attention_projections(model):
-        raise UsageError(no_attention_error(model))
     vocab = vocab_size(model)
     out: list[StageTrace] = []
     received: ActivationMeta | None = None
@@ -341,18 +364,64 @@ def _trace_stages(
                 mesh=mesh,
             )
         except (TypeError, RuntimeError, NotImplementedError) as e:
-            raise UsageError(
-                f"stage {stage.index}'s step could not be traced under FakeTensorMode ({type(e).__name__}: "
-                f"{' '.join(str(e).split())[:300]}); plan without --batch/--seq for the shape-only figures"
-            ) from None
-        if dims.cp > 1:
-            ring = ring_attention(
-                module, stage.plan, cp=dims.cp, tp=dims.tp, rotate_method=cp_rotate, batch=micro[0], seq=micro[1]
-            )
-            traced = dataclasses.replace(traced, trace=with_ring_buffers(traced.trace, ring))
-        out.append(traced)
+            raise _untraceable(f"stage {stage.index}", e) from None
+        out.append(dataclasses.replace(traced, trace=_with_ring(traced.trace, module, stage, micro, dims, cp_rotate)))
         received = traced.sent
     return out
+
+
+def _trace_ranks(
+    model: nn.Module,
+    pipeline: Pipeline,
+    modules: Sequence[nn.Module],
+    micro: tuple[int, int],
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    cp_rotate: str,
+) -> tuple[RankTrace, ...]:
+    """Every pipeline rank's step when each runs several stages, rank by
+    rank: a stage receives what its sender (on the rank before) hands on;
+    rank 0's later stages, whose senders come after it, take what its first
+    stage hands on, checked against their senders' traces once all ran."""
+    vocab = vocab_size(model)
+    sent: dict[int, ActivationMeta | None] = {}
+    out: list[RankTrace] = []
+    for r in range(pipeline.size):
+        mine = pipeline.stages_of(r)
+        known = {s.index: meta for s in mine if s.index > 0 and (meta := sent.get(s.index - 1)) is not None}
+        try:
+            traced = trace_rank(
+                {s.index: modules[s.index] for s in mine},
+                rank=r,
+                num_stages=len(pipeline.stages),
+                stages_per_rank=pipeline.stages_per_rank,
+                microbatches=pipeline.microbatches,
+                micro_batch=micro[0],
+                seq=micro[1] // dims.cp,
+                vocab=vocab,
+                received=known,
+                units=[u.modules[0] for s in mine for u in s.plan.units],
+                mesh=mesh,
+            )
+        except (TypeError, RuntimeError, NotImplementedError) as e:
+            raise _untraceable(f"pipeline rank {r}", e) from None
+        trace = traced.trace
+        if dims.cp > 1:  # one ring over the attention layers of all the rank's stages
+            rings = [
+                ring_attention(modules[s.index], s.plan, cp=dims.cp, tp=dims.tp, rotate_method=cp_rotate, batch=micro[0], seq=micro[1])
+                for s in mine
+            ]
+            trace = with_ring_buffers(trace, dataclasses.replace(rings[0], layers=tuple(x for ring in rings for x in ring.layers)))
+        out.append(dataclasses.replace(traced, trace=trace))
+        sent.update(traced.sent)
+    for rank in out:
+        for s, got in rank.received.items():
+            if s > 0 and got != sent[s - 1]:
+                raise UsageError(
+                    f"stage {s} on pipeline rank {rank.rank} was traced receiving {got}, but stage {s - 1} hands on "
+                    f"{sent[s - 1]}; the interleaved trace needs every stage but the last to hand on the same shape"
+                )
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- the report
@@ -379,18 +448,31 @@ _NOT_PIPELINED = (
 )
 
 
-def _traced_json(run: StageRun, micro: tuple[int, int], optimizer: str, offload: bool) -> dict[str, Any]:
-    """The traced figures of one stage, in :class:`MemoryEstimate`'s keys
-    plus the pipeline's own (in flight, per micro-batch, P2P buffers)."""
-    t = run.trace
-    assert t is not None
+def _meta_json(meta: ActivationMeta | None) -> dict[str, Any] | None:
+    return None if meta is None else {"shape": list(meta.shape), "dtype": str(meta.dtype).removeprefix("torch.")}
+
+
+def _traced_json(
+    t: StageTrace | RankTrace, shards: dict[str, ParamShard], micro: tuple[int, int], optimizer: str, offload: bool
+) -> dict[str, Any]:
+    """The traced figures of one stage (or one rank of several stages), in
+    :class:`MemoryEstimate`'s keys plus the pipeline's own (in flight, per
+    micro-batch, P2P buffers)."""
     estimate: MemoryEstimate = estimate_from_trace(
-        t.trace, run.shards, batch=micro[0], seq=micro[1], optimizer=optimizer, offload=offload
+        t.trace, shards, batch=micro[0], seq=micro[1], optimizer=optimizer, offload=offload
     )
-    target = (0, 0, 0) if offload else steady_bytes(run.shards, optimizer)
+    target = (0, 0, 0) if offload else steady_bytes(shards, optimizer)
     _, position, _ = rescale(t.trace, traced=traced_steady(t.trace), target=target)
-    mb = t.microbatch_at(position)
-    at = where_label(t.trace.samples[position]) + ("" if mb is None else f", micro-batch {mb}")
+    at = where_label(t.trace.samples[position])
+    if isinstance(t, RankTrace):
+        action = t.action_at(position)
+        at += "" if action is None else f", stage {action[1]}, micro-batch {action[2]}"
+        received: Any = {str(s): _meta_json(m) for s, m in t.received.items()}
+        sent: Any = {str(s): _meta_json(m) for s, m in t.sent.items()}
+    else:
+        mb = t.microbatch_at(position)
+        at += "" if mb is None else f", micro-batch {mb}"
+        received, sent = _meta_json(t.received), _meta_json(t.sent)
     data = estimate.to_json()
     data.update(
         {
@@ -399,11 +481,14 @@ def _traced_json(run: StageRun, micro: tuple[int, int], optimizer: str, offload:
             "activations_per_microbatch_bytes": t.activations_per_microbatch,
             "p2p_buffer_bytes": t.p2p_buffer_bytes,
             "input_grad_bytes": t.input_grad_bytes,
-            "received": None if t.received is None else {"shape": list(t.received.shape), "dtype": str(t.received.dtype).removeprefix("torch.")},
-            "sent": None if t.sent is None else {"shape": list(t.sent.shape), "dtype": str(t.sent.dtype).removeprefix("torch.")},
+            "received": received,
+            "sent": sent,
             "peak_at": at,
         }
     )
+    if isinstance(t, RankTrace):
+        action = t.action_at(position)
+        data["peak_stage"] = None if action is None else action[1]
     del data["batch"]
     return data
 
@@ -427,7 +512,7 @@ def pipeline_report(
         memory = {k: v for k, v in full["memory"].items() if k not in _NOT_PIPELINED}
         memory.update(_held(memory, full["units"]))
         if sr.trace is not None and run.micro_batch is not None:
-            memory.update(_traced_json(sr, run.micro_batch, optimizer, offload))
+            memory.update(_traced_json(sr.trace, sr.shards, run.micro_batch, optimizer, offload))
         stages.append(
             {
                 "index": stage.index,
@@ -445,17 +530,29 @@ def pipeline_report(
             }
         )
     traced = run.micro_batch is not None
+    by_rank = {t.rank: t for t in run.ranks}
     ranks: list[dict[str, Any]] = []
     for r in range(pipeline.size):
         mine = [s for s in stages if s["rank"] == r]
-        totals = {k: sum(s["memory"][k] for s in mine) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "held_bytes")}
-        if traced:  # one stage per rank: its traced step is the rank's
+        totals: dict[str, Any] = {
+            k: sum(s["memory"][k] for s in mine) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "held_bytes")
+        }
+        if r in by_rank and run.micro_batch is not None:  # several stages traced together: the rank's own step
+            shards = {fqn: sh for sr in run.stages if sr.stage.rank == r for fqn, sh in sr.shards.items()}
+            totals["traced"] = _traced_json(by_rank[r], shards, run.micro_batch, optimizer, offload)
+            totals["peak_bytes"] = totals["traced"]["peak_bytes"]
+        elif traced:  # one stage per rank: its traced step is the rank's
             totals["peak_bytes"] = max(s["memory"]["peak_bytes"] for s in mine)
         ranks.append({"rank": r, "stages": [s["index"] for s in mine], "memory": totals})
     key = "peak_bytes" if traced else "held_bytes"
     worst = max(ranks, key=lambda r: r["memory"][key])
-    top = {"pp_rank": worst["rank"], "stages": worst["stages"], **worst["memory"]}
-    if traced:
+    top = {"pp_rank": worst["rank"], "stages": worst["stages"], **{k: v for k, v in worst["memory"].items() if k != "traced"}}
+    if traced and run.ranks:
+        rank_trace = worst["memory"]["traced"]
+        top["peak_stage"] = rank_trace["peak_stage"]
+        top["peak_at"] = rank_trace["peak_at"]
+        top["activations_bytes"] = rank_trace["activations_bytes"]
+    elif traced:
         peak_stage = max((s for s in stages if s["rank"] == worst["rank"]), key=lambda s: s["memory"]["peak_bytes"])
         top["peak_stage"] = peak_stage["index"]
         top["peak_at"] = peak_stage["memory"]["peak_at"]
@@ -610,6 +707,46 @@ def _trace_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _rank_trace_lines(data: dict[str, Any]) -> list[str]:
+    """The traced step of each pipeline rank that runs several stages."""
+    p = data["pipeline"]
+    ranks = [(r, r["memory"]["traced"]) for r in data["ranks"]]
+    first = ranks[0][1]
+    rows = [("pp rank", "stages", "most in flight", "activations", "per micro-batch", "p2p buffers", "peak", "at")]
+    for r, t in ranks:
+        rows.append(
+            (
+                str(r["rank"]),
+                ", ".join(map(str, r["stages"])),
+                str(t["in_flight_microbatches"]),
+                format_bytes(t["activations_bytes"]),
+                format_bytes(t["activations_per_microbatch_bytes"]),
+                format_bytes(t["p2p_buffer_bytes"]),
+                f"{format_bytes(t['peak_bytes'])} ({_exact(t['peak_bytes'])})",
+                t["peak_at"],
+            )
+        )
+    top = data["memory"]
+    peak = data["ranks"][top["pp_rank"]]["memory"]["traced"]
+    breakdown = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(peak["peak_breakdown"].items(), key=lambda kv: -kv[1]))
+    cp = data["dims"]["cp"]
+    cp_part = f" ({first['seq'] // cp} per CP rank)" if cp > 1 else ""
+    lines = [
+        "",
+        f"one training step of each pipeline rank traced ({p['schedule']}: {p['microbatches']} micro-batches of "
+        f"{first['microbatch']} x seq {first['seq']}{cp_part} per data-parallel rank; the rank's stages' forwards and "
+        "backwards in the order torch's schedule gives it, one reduce-scatter per stage after the last, one AdamW step; "
+        "FakeTensorMode, FSDPMemTracker over all the rank's stages):",
+        *_table(rows),
+        "(activations: the most saved for backward at the end of a forward, over all the rank's stages; most in flight: "
+        "micro-batches of its stages held at once; p2p buffers: torch's receive buffers of every stage of the rank)",
+        f"  peak rank   {top['pp_rank']}: {format_bytes(top['peak_bytes'])} ({_exact(top['peak_bytes'])}) in the {top['peak_at']}",
+        f"  at the peak {breakdown}",
+    ]
+    lines += [f"  estimated   pp rank {r['rank']}: {n}" for r, t in ranks for n in t["estimated"]]
+    return lines
+
+
 def render_pipeline(data: dict[str, Any], p: Plan) -> str:
     """The text report of :func:`pipeline_report`: the Plan (its stage table
     and every stage's plan), then each stage's memory per rank."""
@@ -623,7 +760,9 @@ def render_pipeline(data: dict[str, Any], p: Plan) -> str:
     plan_text = str(p).splitlines()
     lines += [line for line in plan_text if not line.startswith("warning")]
     lines += ["", *_memory_lines(data)]
-    if "peak_stage" in data["memory"]:
+    if any("traced" in r["memory"] for r in data["ranks"]):
+        lines += _rank_trace_lines(data)
+    elif "peak_stage" in data["memory"]:
         lines += _trace_lines(data)
     return "\n".join(lines)
 

@@ -132,12 +132,18 @@ class Collective:
 class _StepTracker(FSDPMemTracker):
     """``FSDPMemTracker`` that also keeps a sample per operator and every collective."""
 
-    def __init__(self, mod: nn.Module, optm: torch.optim.Optimizer, units: Sequence[str]) -> None:
+    def __init__(
+        self, mod: nn.Module, optm: torch.optim.Optimizer, units: Sequence[str], more: Sequence[nn.Module] = ()
+    ) -> None:
         super().__init__(mod, optm)
+        roots = (mod, *more)
+        if more:
+            # One pipeline rank's stages are FSDP roots of their own; the
+            # tracker instruments every FSDP module under the one it holds.
+            self._root_mod = nn.ModuleList(roots)  # type: ignore[assignment]  # read only through .modules() and .buffers()
         # The tracker names modules from the root's class name down
         # (``FSDPDecoder.layers.0``); the report uses the plan's FQNs.
-        root = type(mod).__name__
-        self._units = {(f"{root}.{u}" if u else root): u for u in units}
+        self._units = {(f"{type(r).__name__}.{u}" if u else type(r).__name__): u for r in roots for u in units}
         self.samples: list[Sample] = []
         self.collectives: list[Collective] = []
         self._counter = 0

@@ -195,10 +195,8 @@ def interleaved_fit() -> dict[str, Any]:
 
 
 def test_an_interleaved_candidates_exact_parts_are_what_plan_gives_its_busiest_rank(interleaved_fit: dict[str, Any]) -> None:
-    """The interleaved step is not traced (the dry run refuses --batch with
-    several stages per rank), so its candidate is checked where ``plan`` is
-    exact: each pp rank's parameters, gradients and optimizer state over
-    its two stages, from shapes."""
+    """Where ``plan`` is exact from shapes: each pp rank's parameters,
+    gradients and optimizer state over its two stages."""
     found = [c for c in _candidates(interleaved_fit) if c["pipeline"] and not c["offload"]]
     assert found and all(c["pipeline"]["schedule"] == "Interleaved1F1B" for c in found)
     for c in found[:2]:
@@ -231,6 +229,20 @@ def test_an_interleaved_candidates_modelled_peak_is_within_minus_10_plus_15_perc
     tracked = max(peaks)
     assert 0.9 * tracked <= candidate["peak_bytes"] <= 1.15 * tracked, (candidate["peak_bytes"], peaks)
     assert candidate["pipeline"]["peak_pp_rank"] == peaks.index(tracked)
+
+
+@pytest.mark.parametrize("ac", [None, "full"])
+def test_an_interleaved_candidates_modelled_peak_is_within_minus_10_plus_15_percent_of_plans_traced_ranks(
+    interleaved_fit: dict[str, Any], ac: str | None
+) -> None:
+    """Against ``plan``'s own trace of each pp rank with its two stages, as
+    1F1B candidates are held against its traced stages."""
+    argv = ["--mesh", "pp=2,dp_shard=2", "--schedule", "Interleaved1F1B", "--microbatches", "4", "--stages-per-rank", "2"]
+    argv += [] if ac is None else ["--ac", ac]
+    candidate = _find(interleaved_fit, argv)
+    memory = _json(["plan", *LONG, *argv, "--json"])["memory"]
+    assert 0.9 * memory["peak_bytes"] <= candidate["peak_bytes"] <= 1.15 * memory["peak_bytes"], (candidate["peak_bytes"], memory)
+    assert candidate["pipeline"]["peak_pp_rank"] == memory["pp_rank"]
 
 
 def test_an_interleaved_rank_holds_at_most_what_its_order_keeps_at_once() -> None:

@@ -82,11 +82,12 @@ def test_a_pipeline_page_shows_the_point_to_point_transfers_of_each_micro_batch(
 
 def test_html_of_an_untraced_pipeline_schedule_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code = main(
-        ["plan", "--preset", "llama", "--layers", "4", "--seq", "64", "--mesh", "pp=2,dp=1", "--schedule", "Interleaved1F1B",
+        ["plan", "--preset", "llama", "--layers", "4", "--seq", "64", "--mesh", "pp=2,dp=1", "--schedule", "LoopedBFS",
          "--stages-per-rank", "2", "--html", str(tmp_path / "x.html")]
     )
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "not LoopedBFS" in err
     assert not (tmp_path / "x.html").exists()
 
 

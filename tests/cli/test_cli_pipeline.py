@@ -176,14 +176,14 @@ def test_without_batch_each_micro_batch_is_one_sequence(capsys: pytest.CaptureFi
     assert [s["memory"]["received"] for s in data["stages"]] == [None, {"shape": [1, 32, DIM], "dtype": "bfloat16"}]
 
 
-def test_tracing_a_schedule_with_several_stages_per_rank_is_refused_with_the_shape_only_way_out(
+def test_tracing_a_schedule_the_dry_run_does_not_trace_is_refused_with_the_shape_only_way_out(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     err = refused(
-        capsys, "--preset", "llama", "--layers", "4", "--mesh", "pp=2,dp=1", "--schedule", "Interleaved1F1B",
+        capsys, "--preset", "llama", "--layers", "4", "--mesh", "pp=2,dp=1", "--schedule", "LoopedBFS",
         "--stages-per-rank", "2", "--seq", "64",
     )
-    assert "not Interleaved1F1B; drop them for the exact shape-only figures" in err
+    assert "the schedules 1F1B, GPipe, Interleaved1F1B, not LoopedBFS; drop them for the exact shape-only figures" in err
 
 
 # --------------------------------------------------------------------------- the traced step
