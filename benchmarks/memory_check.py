@@ -6,7 +6,10 @@ and what the dry run costs.
    iterations under ``FSDPMemTracker``, AdamW state from the first) on the
    llama preset for dp=8 AC off / full and dp=2 x tp=2 + SP; each stage of
    pp=2 x dp=2 (1F1B, 4 micro-batches) against the stage recipe
-   (``tests/support/stage_tracker_recipe.py``); and a Qwen3-MoE with its
+   (``tests/support/stage_tracker_recipe.py``); each pp rank of the same
+   mesh under Interleaved1F1B (2 stages per rank) against torch's
+   MemTracker over the rank's stages (``tests/support/rank_tracker_recipe.py``,
+   peak only); and a Qwen3-MoE with its
    experts split across ep=2 and ep=4 (dense dp_shard=4) against the EP recipe with the routing forced balanced and transformers'
    own dispatch (``tests/support/ep_tracker_recipe.py``). Targets: params,
    grads, optimizer within 1%; activations within 15%; peak -10%/+15%.
@@ -40,6 +43,7 @@ from fsdptx.testing import fake_mesh
 
 from _timing import seconds  # benchmarks/ is on sys.path when run as a script
 from ep_tracker_recipe import build_moe, ep_tracker_reference  # tests/support on PYTHONPATH
+from rank_tracker_recipe import rank_tracker_peak
 from stage_tracker_recipe import stage_tracker_reference
 from tracker_recipe import tracker_reference
 
@@ -132,6 +136,43 @@ def pipeline_cross_check(layers: int, seq: int) -> list[str]:
         m = stage["memory"]
         ours = {k: m[f"{k}_bytes"] for k in TARGETS}
         lines += rows(f"pp=2 x dp=2, stage {r}", ours, dataclasses.asdict(ref))
+    return lines
+
+
+def interleaved_cross_check(layers: int, seq: int) -> list[str]:
+    """Each pp rank of pp=2 x dp=2 under Interleaved1F1B (2 stages per rank,
+    4 micro-batches of one sequence): the dry run's traced rank against
+    torch's MemTracker over the same rank's stages in torch's own order
+    (``tests/support/rank_tracker_recipe.py``, which gives the peak only)."""
+    pipe = fsdptx.PipelineParallelConfig(schedule="Interleaved1F1B", microbatches=4, stages_per_rank=2)
+    data = run_json(
+        "--preset", "llama", "--layers", str(layers), "--mesh", "pp=2,dp=2", "--schedule", "Interleaved1F1B",
+        "--stages-per-rank", "2", "--microbatches", "4", "--batch", "4", "--seq", str(seq),
+    )
+    ranks = data["ranks"]
+    assert isinstance(ranks, list)
+    with torch.device("meta"):
+        embedding = build_preset("llama", 1).get_submodule("embed_tokens")
+    assert isinstance(embedding, nn.Embedding)
+    lines = [
+        f"### Cross-check: interleaved pipeline ranks, llama preset, {layers} layers, pp=2 x dp=2, Interleaved1F1B, "
+        f"2 stages per rank, 4 micro-batches of 1 x seq {seq} (reference: torch's MemTracker over the rank's stages)",
+        "",
+        *TABLE,
+    ]
+    low, high = TARGETS["peak"]
+    config = fsdptx.FSDP2Config(pipeline_parallel=pipe)
+    for rank in ranks:
+        r = rank["rank"]
+        ref = rank_tracker_peak(layers, seq, (2, 2), ("pp", "dp"), config, pp_rank=r, hidden=(1, seq, embedding.embedding_dim))
+        ours = rank["memory"]["peak_bytes"]
+        err = ours / ref - 1
+        line = (
+            f"| pp=2 x dp=2 interleaved, rank {r} (stages {', '.join(map(str, rank['stages']))}) | peak | {ours:,} | "
+            f"{ref:,} | {100 * err:+.2f}% | {100 * low:+.0f}%/{100 * high:+.0f}% {'ok' if low <= err <= high else 'MISSED'} |"
+        )
+        print(line, flush=True)
+        lines.append(line)
     return lines
 
 
@@ -249,7 +290,8 @@ def parse() -> argparse.Namespace:
 if __name__ == "__main__":
     args = parse()
     report = cross_check(args.layers, args.seq)
-    report += [""] + pipeline_cross_check(args.layers, args.seq) + [""] + ep_cross_check(args.seq)
+    report += [""] + pipeline_cross_check(args.layers, args.seq) + [""] + interleaved_cross_check(args.layers, args.seq)
+    report += [""] + ep_cross_check(args.seq)
     if not args.cross_check_only:
         report += [""] + fit_extrapolation(args.layers, args.seq)
     if not (args.skip_timing or args.cross_check_only):
