@@ -668,27 +668,32 @@ def _memory_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _traced_cells(m: dict[str, Any]) -> tuple[str, ...]:
+    """A traced stage's (or rank's) row: in flight, activations, per micro-batch, p2p buffers, peak, where."""
+    return (
+        str(m["in_flight_microbatches"]),
+        format_bytes(m["activations_bytes"]),
+        format_bytes(m["activations_per_microbatch_bytes"]),
+        format_bytes(m["p2p_buffer_bytes"]),
+        f"{format_bytes(m['peak_bytes'])} ({_exact(m['peak_bytes'])})",
+        m["peak_at"],
+    )
+
+
+def _breakdown(m: dict[str, Any]) -> str:
+    """The peak's parts, largest first."""
+    return ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(m["peak_breakdown"].items(), key=lambda kv: -kv[1]))
+
+
 def _trace_lines(data: dict[str, Any]) -> list[str]:
     stages = data["stages"]
     first = stages[0]["memory"]
     p = data["pipeline"]
-    rows = [("stage", "in flight", "activations", "per micro-batch", "p2p buffers", "peak", "at")]
+    rows: list[tuple[str, ...]] = [("stage", "in flight", "activations", "per micro-batch", "p2p buffers", "peak", "at")]
     for s in stages:
-        m = s["memory"]
-        rows.append(
-            (
-                str(s["index"]),
-                str(m["in_flight_microbatches"]),
-                format_bytes(m["activations_bytes"]),
-                format_bytes(m["activations_per_microbatch_bytes"]),
-                format_bytes(m["p2p_buffer_bytes"]),
-                f"{format_bytes(m['peak_bytes'])} ({_exact(m['peak_bytes'])})",
-                m["peak_at"],
-            )
-        )
+        rows.append((str(s["index"]), *_traced_cells(s["memory"])))
     top = data["memory"]
-    peak = stages[top["peak_stage"]]["memory"]
-    breakdown = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(peak["peak_breakdown"].items(), key=lambda kv: -kv[1]))
+    breakdown = _breakdown(stages[top["peak_stage"]]["memory"])
     cp = data["dims"]["cp"]
     cp_part = f" ({first['seq'] // cp} per CP rank)" if cp > 1 else ""
     lines = [
@@ -712,23 +717,11 @@ def _rank_trace_lines(data: dict[str, Any]) -> list[str]:
     p = data["pipeline"]
     ranks = [(r, r["memory"]["traced"]) for r in data["ranks"]]
     first = ranks[0][1]
-    rows = [("pp rank", "stages", "most in flight", "activations", "per micro-batch", "p2p buffers", "peak", "at")]
+    rows: list[tuple[str, ...]] = [("pp rank", "stages", "most in flight", "activations", "per micro-batch", "p2p buffers", "peak", "at")]
     for r, t in ranks:
-        rows.append(
-            (
-                str(r["rank"]),
-                ", ".join(map(str, r["stages"])),
-                str(t["in_flight_microbatches"]),
-                format_bytes(t["activations_bytes"]),
-                format_bytes(t["activations_per_microbatch_bytes"]),
-                format_bytes(t["p2p_buffer_bytes"]),
-                f"{format_bytes(t['peak_bytes'])} ({_exact(t['peak_bytes'])})",
-                t["peak_at"],
-            )
-        )
+        rows.append((str(r["rank"]), ", ".join(map(str, r["stages"])), *_traced_cells(t)))
     top = data["memory"]
-    peak = data["ranks"][top["pp_rank"]]["memory"]["traced"]
-    breakdown = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(peak["peak_breakdown"].items(), key=lambda kv: -kv[1]))
+    breakdown = _breakdown(data["ranks"][top["pp_rank"]]["memory"]["traced"])
     cp = data["dims"]["cp"]
     cp_part = f" ({first['seq'] // cp} per CP rank)" if cp > 1 else ""
     lines = [
