@@ -78,10 +78,9 @@ class Traced:
         return cls(layers, points, shards, series)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Sent back from a trace process as plain data; the series' tensors
-        # are rebuilt on arrival (torch would share them through file
-        # descriptors, which a worker of a pool cannot always hand over).
-        return (Traced.of, (self.layers, dict(self.points), dict(self.shards)))
+        # Sent back from a trace process as plain data, the series with it
+        # (ShardSeries pickles its matrices as numbers).
+        return (Traced, (self.layers, dict(self.points), dict(self.shards), self.series))
 
     def trace(self, shards: int) -> Trace:
         """The whole step at ``shards`` FSDP ranks (:func:`trace_at`)."""
@@ -207,25 +206,28 @@ def measure(
 ) -> Measured:
     """Trace the step of one setting at every block count and shard count,
     with the traced model's shards at each (shard count, ep) in ``needed``
-    (any ep > 1 traces alike: the experts whole, on a MoE mesh of their own)."""
-    from ._run import dry_run
+    (any ep > 1 traces alike: the experts whole, on a MoE mesh of their own).
+    Every block count of one shard count is traced in one fake world, so
+    the later traces reuse DTensor's sharding decisions of the first."""
+    from ._run import dry_run_on, fake_world
 
     needed = sorted(set(needed))
+    by_count: dict[int | None, dict[int, Trace]] = {n: {} for n in counts}
+    last: dict[int | None, tuple[nn.Module, Plan, Any]] = {}
+    for shards in points:
+        with fake_world(*trace_mesh(tp, shards, replicated, cp), trace_moe(tp, shards, replicated, ep)) as (mesh, moe_mesh):
+            for n in counts:
+                model = build(n)
+                if ac:
+                    disable_kv_cache(model)  # as the dry run and a training run with checkpointing do
+                run = dry_run_on(model, mesh, moe_mesh, setting, batch_seq=batch_seq)
+                if run.trace is None:  # dry_run traces whenever batch_seq is given
+                    raise RuntimeError(f"no trace for tp={tp}, activation_checkpointing={ac!r}")
+                by_count[n][shards] = run.trace
+                last[n] = model, run.plan, run.dims  # the same plan at every shard count
     traced = []
     for n in counts:
-        by_shards: dict[int, Trace] = {}
-        model = plan = dims = None
-        for shards in points:
-            model = build(n)
-            if ac:
-                disable_kv_cache(model)  # as the dry run and a training run with checkpointing do
-            shape, names = trace_mesh(tp, shards, replicated, cp)
-            run = dry_run(model, shape, names, setting, batch_seq=batch_seq, moe=trace_moe(tp, shards, replicated, ep))
-            if run.trace is None:  # dry_run traces whenever batch_seq is given
-                raise RuntimeError(f"no trace for tp={tp}, activation_checkpointing={ac!r}")
-            by_shards[shards] = run.trace
-            plan, dims = run.plan, run.dims  # the same plan at every shard count
-        assert model is not None and plan is not None  # points is never empty: every group has a mesh
+        model, plan, dims = last[n]  # points is never empty: every group has a mesh
         at = {e: shards_for(model, plan, dims, e) for e in {e for _, e in needed}}
-        traced.append(Traced.of(n or 0, by_shards, {(s, e): at[e](s) for s, e in needed}))
+        traced.append(Traced.of(n or 0, by_count[n], {(s, e): at[e](s) for s, e in needed}))
     return Measured(tuple(traced))

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..apply._apply import apply_plan
 from ..core._meshes import KNOWN_DIMS, MOE_KNOWN_DIMS, ParallelDims, ep_size, moe_fsdp_mesh
@@ -244,57 +245,83 @@ def dry_run(
     mesh, split by expert across its ``ep`` dim when it has one (a traced
     step then runs their token dispatch at sizes fixed by ``routing_skew``,
     :mod:`fsdptx.cli._ep`)."""
+    with fake_world(shape, names, moe) as (mesh, moe_mesh):
+        return dry_run_on(model, mesh, moe_mesh, config, batch_seq=batch_seq, cp_rotate=cp_rotate, routing_skew=routing_skew)
+
+
+@contextlib.contextmanager
+def fake_world(
+    shape: tuple[int, ...], names: tuple[str, ...], moe: tuple[tuple[int, ...], tuple[str, ...]] | None = None
+) -> Iterator[tuple[DeviceMesh, DeviceMesh | None]]:
+    """A fake world of ``shape`` ranks: its mesh, and the MoE mesh ``moe``
+    (shape and dim names) over the same ranks when given. Dry runs that
+    share one world share DTensor's sharding decisions, which a world
+    forgets when it closes (:func:`fsdptx.testing.fake_mesh`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..manager import FSDP2Manager
     from ..testing import fake_mesh  # the fake backend is only needed here
 
-    n_params = sum(1 for _ in model.parameters())
     with fake_mesh(shape, names) as mesh:
-        moe_mesh = None if moe is None else init_device_mesh("cpu", moe[0], mesh_dim_names=moe[1])
-        manager = FSDP2Manager(config, mesh, moe_mesh)
-        dims = manager.dims
-        p = manager.plan(model)
-        ep = ep_size(moe_mesh)
-        dispatch = None
-        if ep > 1 and batch_seq is not None:
-            problems = expert_dispatch_problems(model, p)
-            if problems:
-                raise UsageError(problems[0])
-            dispatch = StaticDispatch(routing_skew)
-        moe_dims = None
-        if moe_mesh is not None and moe is not None:
-            flat = moe_fsdp_mesh(moe_mesh, mesh)
-            moe_dims = MoeDims(mesh=dict(zip(moe[1], moe[0])), ep=ep, shard=flat.size(flat.ndim - 1))
-        tp_cost = n_params * (dims.tp if dims.tp > 1 else 0)
-        fsdp_cost = n_params * (dims.dp_shard if p.units else 0)
-        if tp_cost + fsdp_cost <= APPLY_BUDGET:
-            if ep > 1:
-                apply_plan(p, model, mesh, moe_mesh=moe_mesh, hand_ep_mesh=_not_dispatched if dispatch is None else dispatch)
-            else:
-                with _plan_warnings_not_logged():
-                    manager.parallelize(model)
-            applied = "full" if (p.units or p.tensor_parallel) else "none"
-        elif tp_cost <= APPLY_BUDGET:
-            # TP alone (and checkpointing, marks): the FSDP split is computed from shapes.
-            bare = p.replace(units=(), prefetch=(), reduce_unused_params=False, expert_parallel=None)
-            apply_plan(bare, model, mesh)
-            applied = "tp" if p.tensor_parallel else "computed"
+        yield mesh, None if moe is None else init_device_mesh("cpu", moe[0], mesh_dim_names=moe[1])
+
+
+def dry_run_on(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    moe_mesh: DeviceMesh | None,
+    config: Any,
+    *,
+    batch_seq: tuple[int, int] | None = None,
+    cp_rotate: str = "allgather",
+    routing_skew: float = 1.0,
+) -> DryRun:
+    """:func:`dry_run` in an open :func:`fake_world` (its ``mesh`` and ``moe_mesh``)."""
+    from ..manager import FSDP2Manager
+
+    n_params = sum(1 for _ in model.parameters())
+    manager = FSDP2Manager(config, mesh, moe_mesh)
+    dims = manager.dims
+    p = manager.plan(model)
+    ep = ep_size(moe_mesh)
+    dispatch = None
+    if ep > 1 and batch_seq is not None:
+        problems = expert_dispatch_problems(model, p)
+        if problems:
+            raise UsageError(problems[0])
+        dispatch = StaticDispatch(routing_skew)
+    moe_dims = None
+    if moe_mesh is not None:
+        flat = moe_fsdp_mesh(moe_mesh, mesh)
+        moe_dims = MoeDims(mesh=dict(zip(moe_mesh.mesh_dim_names or (), moe_mesh.shape)), ep=ep, shard=flat.size(flat.ndim - 1))
+    tp_cost = n_params * (dims.tp if dims.tp > 1 else 0)
+    fsdp_cost = n_params * (dims.dp_shard if p.units else 0)
+    if tp_cost + fsdp_cost <= APPLY_BUDGET:
+        if ep > 1:
+            apply_plan(p, model, mesh, moe_mesh=moe_mesh, hand_ep_mesh=_not_dispatched if dispatch is None else dispatch)
         else:
-            raise UsageError(
-                f"tp={dims.tp} over {n_params:,} parameters is more than the dry run simulates "
-                f"({APPLY_BUDGET:,} parameter shards); use a smaller tp"
-            )
-        shards = param_shards(
-            model, p, dims, fsdp_applied=applied == "full", moe=None if moe_dims is None else (moe_dims.shard, moe_dims.ep)
+            with _plan_warnings_not_logged():
+                manager.parallelize(model)
+        applied = "full" if (p.units or p.tensor_parallel) else "none"
+    elif tp_cost <= APPLY_BUDGET:
+        # TP alone (and checkpointing, marks): the FSDP split is computed from shapes.
+        bare = p.replace(units=(), prefetch=(), reduce_unused_params=False, expert_parallel=None)
+        apply_plan(bare, model, mesh)
+        applied = "tp" if p.tensor_parallel else "computed"
+    else:
+        raise UsageError(
+            f"tp={dims.tp} over {n_params:,} parameters is more than the dry run simulates "
+            f"({APPLY_BUDGET:,} parameter shards); use a smaller tp"
         )
-        trace = (
-            None
-            if batch_seq is None
-            else traced(
-                model, p, applied, batch_seq, mesh, cp=dims.cp, tp=dims.tp, cp_rotate=cp_rotate, dispatch=dispatch
-            )
+    shards = param_shards(
+        model, p, dims, fsdp_applied=applied == "full", moe=None if moe_dims is None else (moe_dims.shard, moe_dims.ep)
+    )
+    trace = (
+        None
+        if batch_seq is None
+        else traced(
+            model, p, applied, batch_seq, mesh, cp=dims.cp, tp=dims.tp, cp_rotate=cp_rotate, dispatch=dispatch
         )
+    )
     return DryRun(plan=p, dims=dims, shards=shards, applied=applied, params=n_params, trace=trace, moe=moe_dims)
 
 

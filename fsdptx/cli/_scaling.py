@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -178,11 +179,21 @@ class ShardSeries:
         keys = tuple(dict.fromkeys(k for t in (a, b) for s in t.samples for k in s.bytes))
 
         def matrix(t: Trace) -> torch.Tensor:
-            rows = [[s.bytes.get(k, 0) for k in keys] for s in t.samples]
-            return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(keys))
+            flat = [s.bytes.get(k, 0) for s in t.samples for k in keys]
+            return torch.tensor(flat, dtype=torch.int64).reshape(len(t.samples), len(keys))
 
         steps = torch.tensor([s.phase != "optimizer" for s in b.samples], dtype=torch.bool)
         return cls(a_shards, b_shards, keys, matrix(a), matrix(b), steps)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The matrices travel as numbers: torch would share the tensors
+        # through file descriptors, which a worker of a pool cannot always
+        # hand over, and rebuilding them from the traces costs more.
+        rows = (self.a.shape[0], len(self.keys))
+        return (
+            _series_of_lists,
+            (self.a_shards, self.b_shards, self.keys, rows, self.a.flatten().tolist(), self.b.flatten().tolist(), self.before_optimizer.tolist()),
+        )
 
     def samples(self, shards: int) -> torch.Tensor:
         """Every sample's bytes per category at ``shards`` ranks, as
@@ -230,6 +241,17 @@ class ShardSeries:
         for i in scale:
             scaled[:, i] = torch.round(products[:, i]).long()
         return int(scaled.sum(dim=1).max())
+
+
+def _series_of_lists(
+    a_shards: int, b_shards: int, keys: tuple[str, ...], rows: tuple[int, int], a: list[int], b: list[int], steps: list[bool]
+) -> ShardSeries:
+    """A :class:`ShardSeries` from what its ``__reduce__`` sent."""
+
+    def matrix(flat: list[int]) -> torch.Tensor:
+        return torch.tensor(flat, dtype=torch.int64).reshape(rows)
+
+    return ShardSeries(a_shards, b_shards, keys, matrix(a), matrix(b), torch.tensor(steps, dtype=torch.bool))
 
 
 _INT64_SAFE = float(2**62)

@@ -47,6 +47,7 @@ from ..core._torch_internals import (
     CHECKPOINT_WRAPPED,
     FakeTensorMode,
     FSDPMemTracker,
+    fake_device,
     fast_fake_mode_lookup,
     local_tensor,
     op_name,
@@ -144,6 +145,7 @@ class _StepTracker(FSDPMemTracker):
         # The tracker names modules from the root's class name down
         # (``FSDPDecoder.layers.0``); the report uses the plan's FQNs.
         self._units = {(f"{type(r).__name__}.{u}" if u else type(r).__name__): u for r in roots for u in units}
+        self._resolved: dict[str, tuple[int, str]] = {}
         self.samples: list[Sample] = []
         self.collectives: list[Collective] = []
         self._counter = 0
@@ -153,9 +155,17 @@ class _StepTracker(FSDPMemTracker):
         if self._in_opt or self.stage:
             return self.stage or "optimizer", ""
         phase = "backward" if self._mod_tracker.is_bw else "forward"
-        names = [n.replace(f".{CHECKPOINT_WRAPPED}", "") for n in self._mod_tracker.parents]
-        active = [n for n in names if n in self._units]
-        return phase, self._units[max(active, key=len)] if active else ""
+        return phase, max(map(self._unit_of, self._mod_tracker.parents), default=(-1, ""))[1]
+
+    def _unit_of(self, name: str) -> tuple[int, str]:
+        """The unit a module the tracker names ``name`` starts, with the
+        length of its name (the innermost active unit is the longest), or
+        ``(-1, "")``; asked after every operator, so each name is resolved once."""
+        known = self._resolved.get(name)
+        if known is None:
+            plain = name.replace(f".{CHECKPOINT_WRAPPED}", "")
+            known = self._resolved[name] = (len(plain), self._units[plain]) if plain in self._units else (-1, "")
+        return known
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         # Called after every operator. The tracker would update each active
@@ -169,7 +179,9 @@ class _StepTracker(FSDPMemTracker):
         operators, where frees since the last operator show."""
         phase, unit = self._where()
         snap = next(iter(self._curr_mem_snap.values()), {})
-        values = {CATEGORIES[k]: v for k, v in snap.items() if k in CATEGORIES and v}
+        values: Mapping[str, int] = {CATEGORIES[k]: v for k, v in snap.items() if k in CATEGORIES and v}
+        if self.samples and self.samples[-1].bytes == values:
+            values = self.samples[-1].bytes  # one mapping for a run of equal samples: a trace sent between processes stays small
         sample = Sample(self._counter, phase, unit, values)
         self.samples.append(sample)
         self._counter += 1
@@ -179,8 +191,10 @@ class _StepTracker(FSDPMemTracker):
         if func is _DEVICE_QUERY and DTensor not in types:
             # Fake tensors answer C++'s ``device()`` through dispatch: two in
             # three operators a traced step sees, none allocating. Tracking
-            # them would only repeat the last sample.
-            return func(*args, **(kwargs or {}))
+            # them would only repeat the last sample, and the fake mode's
+            # answer is the tensor's own fake device.
+            device = fake_device(args[0])
+            return func(*args, **(kwargs or {})) if device is None else device
         out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
         op = _COLLECTIVES.get(op_name(func)) if out is not NotImplemented else None
         if op is not None:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._composable import checkpoint as composable_checkpoint  # type: ignore[attr-defined]
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed._tools import fsdp2_mem_tracker as _fsdp2_mem_tracker
@@ -75,6 +75,7 @@ __all__ = [
     "composable_checkpoint",
     "composable_registry",
     "enable_symmetric_memory",
+    "fake_device",
     "fast_fake_mode_lookup",
     "foreach_copy_",
     "fsdp_is_root",
@@ -252,6 +253,16 @@ def fast_fake_mode_lookup() -> Iterator[None]:
         yield
     finally:
         _fsdp2_mem_tracker.active_fake_mode = saved  # type: ignore[attr-defined]
+
+
+def fake_device(tensor: object) -> torch.device | None:
+    """The device a fake tensor reports to ``prim.device`` outside its
+    mode's kernels (the device it stands for), as the fake mode would answer
+    it; ``None`` for anything else, which must go through dispatch."""
+    if isinstance(tensor, FakeTensor) and not tensor.fake_mode.in_kernel_invocation:
+        device: torch.device = tensor.fake_device
+        return device
+    return None
 
 
 @contextlib.contextmanager

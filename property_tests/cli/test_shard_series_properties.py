@@ -56,3 +56,17 @@ def test_the_series_gives_the_derived_traces_samples_and_rescaled_peak(
         {k: v for k, v in s.bytes.items() if v} for s in derived.samples
     ]
     assert series.peak(shards, target) == rescale(derived, traced=traced_steady(derived), target=target)[0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(pair=trace_pairs())
+def test_a_series_sent_between_processes_arrives_with_the_same_matrices(pair: tuple[Trace, int, Trace, int]) -> None:
+    import pickle
+
+    import torch
+
+    series = ShardSeries.of(*pair)
+    sent = pickle.loads(pickle.dumps(series))
+    assert (sent.a_shards, sent.b_shards, sent.keys) == (series.a_shards, series.b_shards, series.keys)
+    for name in ("a", "b", "before_optimizer"):
+        assert torch.equal(getattr(sent, name), getattr(series, name)), name

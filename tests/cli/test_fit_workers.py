@@ -76,3 +76,31 @@ def test_the_default_is_the_cpus_this_process_may_use() -> None:
 def test_fit_jobs_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--preset", "llama", "--layers", "2", "--fit", "4x8GiB", "--fit-jobs", "0"]) == 2
     assert "--fit-jobs must be >= 1, got 0" in capsys.readouterr().err
+
+
+def _frozen() -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_the_callers_heap_is_frozen_while_tasks_run_and_thawed_after(jobs: int) -> None:
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    counts = run_tasks([_frozen, _frozen], jobs)
+    assert all(n > 0 for n in counts)  # a forked worker inherits the frozen heap
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_caller_that_froze_its_heap_keeps_it_frozen() -> None:
+    import gc
+
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        run_tasks([_frozen, _frozen], 1)
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
