@@ -74,7 +74,7 @@ from ._fit_dims import cp_ring_bytes, evaluate_pipeline, pipes
 from ._fit_measure import Measured, extrapolate, measure, ring_bytes, shard_points, shards_for, trace_mesh, trace_moe
 from ._hardware import Hardware, predict, step_flops
 from ._scaling import steady_bytes
-from ._workers import run_tasks
+from ._workers import run_tasks_alongside
 from ._report import ParamShard, ceil_div, step_traffic
 
 __all__ = [
@@ -292,7 +292,7 @@ def search(
         eps = tuple(e for e in auto_ep_sizes(build(None), planned) if e <= gpus)  # a model the dry run has not parallelized
     else:
         eps = tuple(sorted(set(ep_sizes)))
-    fulls: dict[tuple[int, bool], tuple[Plan, Callable[[int, int], dict[str, ParamShard]]] | None] = {}
+    wholes: dict[tuple[int, bool], tuple[list[int], int]] = {}  # (tp, experts split): their eps, where its refusal is listed
     settings: list[_Setting] = []  # what is traced, in the order candidates are listed
     tasks: list[Callable[[], Measured]] = []
     cost: list[int] = []
@@ -310,18 +310,13 @@ def search(
             pairs = _with_ep(tp, tp_meshes, kind, hugging_face, skipped)
             if not pairs:
                 continue
-            if (tp, moe) not in fulls:
-                fulls[(tp, moe)] = _whole(build, tp, kind, config, skipped)
-            known = fulls[(tp, moe)]
-            if known is None:
-                continue
-            plan, _ = known
+            wholes.setdefault((tp, moe), (kind, len(skipped)))
             for ac in AC_MODES:
                 for replicated in (False, True):
                     group = tuple((m, ep) for m, ep in pairs if (m.get("dp_replicate", 1) > 1) == replicated)
                     if not group:
                         continue
-                    settings.append(_Setting(tp, cp, ac, replicated, group, plan, label))
+                    settings.append(_Setting(tp, cp, ac, replicated, group, label))
                     points = shard_points(m["dp_shard"] for m, _ in group)
                     needed = {(m["dp_shard"] * k, ep) for m, ep in group for k in (1, cp)}
                     work = config(sequence_parallel=tp > 1, activation_checkpointing=ac)
@@ -332,13 +327,24 @@ def search(
                     cost.append(len(points) * (3 if ac == "full" else 2 if ac else 1))
     # the traces are most of the time: largest first, so that no worker is left with one at the end
     order = sorted(range(len(tasks)), key=lambda i: -cost[i])
-    for at, measured in zip(settings, run_tasks(tasks, jobs, order)):
+
+    def whole_models() -> dict[tuple[int, bool], _Whole | str]:
+        return {key: _whole(build, key[0], kind, config) for key, (kind, _) in wholes.items()}
+
+    every_measured, fulls = run_tasks_alongside(tasks, jobs, whole_models, order)
+    # each refusal of a whole model is listed where the search met its tp (last first: the places hold)
+    for key, (_, place) in reversed(wholes.items()):
+        refused = fulls[key]
+        if isinstance(refused, str):
+            skipped.insert(place, f"tp={key[0]}: {refused}")
+    for at, measured in zip(settings, every_measured):
+        known = fulls[(at.tp, at.group[0][1] > 1)]
+        if isinstance(known, str):  # the whole model's plan was refused (listed above): its traces do not count
+            continue
         if isinstance(measured, ValueError):  # the planner or the model refuses this setting: the others still count
             skipped.append(f"{at.label}, ac={at.ac or 'off'}{', dp_replicate > 1' if at.replicated else ''}: {_short(measured)}")
             continue
-        known = fulls[(at.tp, at.group[0][1] > 1)]
-        assert known is not None  # a setting is only made for a whole model that planned
-        _, full_at = known
+        plan, full_at = known
         flops = step_flops(flops_params, batch * seq, at.ac) / (at.tp * at.cp)  # TP and CP split every matmul
         for mesh, ep in at.group:
             shards = full_at(mesh["dp_shard"] * at.cp, ep)
@@ -346,7 +352,7 @@ def search(
             for pipe in by_pp[pp] if pp > 1 else (None,):
                 try:
                     evaluated = [
-                        evaluate(mesh, at.ac, offload, measured, shards, at.plan, layers or 0, optimizer, ep)
+                        evaluate(mesh, at.ac, offload, measured, shards, plan, layers or 0, optimizer, ep)
                         if pipe is None
                         else evaluate_pipeline(mesh, at.ac, offload, measured, shards, layers or 0, optimizer, pipe)
                         for offload in (False, True)
@@ -405,13 +411,14 @@ def _with_ep(
     return pairs
 
 
-def _whole(
-    build: Callable[[int | None], nn.Module], tp: int, eps: Sequence[int], config: Callable[..., Any], skipped: list[str]
-) -> tuple[Plan, Callable[[int, int], dict[str, ParamShard]]] | None:
+_Whole = tuple[Plan, Callable[[int, int], dict[str, ParamShard]]]
+
+
+def _whole(build: Callable[[int | None], nn.Module], tp: int, eps: Sequence[int], config: Callable[..., Any]) -> _Whole | str:
     """The whole model's plan at ``tp`` (experts on their own mesh when the
     ``eps`` split them) and its exact shards at any shard count for each
-    of ``eps``; ``None``, said in ``skipped``, when the planner refuses it
-    (a TP plan or an ``ep`` that does not divide)."""
+    of ``eps``; why not, when the planner refuses it (a TP plan or an
+    ``ep`` that does not divide)."""
     from ._run import dry_run
 
     model = build(None)
@@ -419,8 +426,7 @@ def _whole(
         full = dry_run(model, *trace_mesh(tp, 2, False), config(sequence_parallel=tp > 1), moe=trace_moe(tp, 2, False, max(eps)))
         by_ep = {ep: shards_for(model, full.plan, full.dims, ep) for ep in eps}
     except ValueError as e:
-        skipped.append(f"tp={tp}: {_short(e)}")
-        return None
+        return _short(e)
     return full.plan, lambda shards, ep: by_ep[ep](shards)
 
 
@@ -454,7 +460,6 @@ class _Setting:
     ac: str | bool
     replicated: bool
     group: tuple[tuple[dict[str, int], int], ...]  # (mesh, ep)
-    plan: Plan  # the whole model's, for FSDP's traffic
     label: str
 
 

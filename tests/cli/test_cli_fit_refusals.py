@@ -1,7 +1,8 @@
 """``--fit`` refuses, in one line with exit code 2 and before building
 anything, a world it cannot simulate, memory it cannot fit into and an
 ``--html`` it would not draw; a TP size that does not divide ``--seq`` is
-skipped and listed, not fatal to the search."""
+skipped and listed, not fatal to the search, and so is a TP size whose
+plan the model refuses."""
 
 from __future__ import annotations
 
@@ -74,3 +75,19 @@ def test_a_tp_size_that_does_not_divide_seq_is_skipped_and_the_search_goes_on(
     evaluated = [c["mesh"] for c in fit["fitting"] + fit["not_fitting"]]
     assert {"dp_shard": 8} in evaluated
     assert not any(m.get("tp") == 4 for m in evaluated)
+
+
+def test_a_tp_size_whose_plan_the_model_refuses_is_listed_once_in_its_place_and_the_search_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    shape = "num_hidden_layers=1,hidden_size=96,intermediate_size=192,num_attention_heads=6,num_key_value_heads=6,vocab_size=256"
+    code = main(["plan", "--hf", "llama", "--hf-config", shape, "--seq", "60", "--fit", "16x80GiB", "--fit-cp", "2", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    fit = json.loads(out)["fit"]
+    about = [s.split(":")[0] for s in fit["skipped"]]
+    assert about == ["tp=2, cp=2", "tp=4", "tp=4, cp=2", "tp=8", "tp=8, cp=2"], fit["skipped"]  # the order tp sizes are met in
+    assert "num_attention_heads=6 is not divisible by tp=4" in fit["skipped"][1]
+    evaluated = [c["mesh"] for c in fit["fitting"] + fit["not_fitting"]]
+    assert not any(m.get("tp") == 4 for m in evaluated)
+    assert any(m.get("tp") == 2 for m in evaluated) and any(m.get("cp") == 2 for m in evaluated)

@@ -5,15 +5,18 @@ as its result, and anything else a task raises reaches the caller."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fsdptx.cli._main import main
-from fsdptx.cli._workers import available_cpus, run_tasks
+from fsdptx.cli._workers import available_cpus, run_tasks, run_tasks_alongside
 
 # cp and pp candidates as well as plain and HSDP meshes, dp_shard=8 derived from the reference pair
 SEARCH = ("--preset", "llama", "--layers", "2", "--batch", "2", "--seq", "256", "--fit", "8x8GiB", "--fit-cp", "2", "--fit-pp", "2")
@@ -67,6 +70,37 @@ def test_bad_arguments_are_refused_before_any_task_runs(jobs: int, order: list[i
     with pytest.raises(ValueError, match=says):
         run_tasks([lambda: ran.append(1), lambda: ran.append(2)], jobs, order)
     assert ran == []
+
+
+def test_the_callers_own_work_runs_here_while_the_tasks_run_in_other_processes() -> None:
+    results, mine = run_tasks_alongside([_pid, _refuse, _pid], 2, _pid)
+    assert mine == os.getpid()
+    assert isinstance(results[1], ValueError)
+    assert os.getpid() not in {r for r in results if isinstance(r, int)}
+
+
+def test_with_one_job_the_callers_work_comes_first_then_the_tasks_in_order() -> None:
+    ran: list[str] = []
+    results, mine = run_tasks_alongside(
+        [lambda: ran.append("a") or 1, lambda: ran.append("b") or 2], 1, lambda: ran.append("here") or 0, order=[1, 0]
+    )
+    assert (ran, results, mine) == (["here", "b", "a"], [1, 2], 0)
+
+
+def test_when_the_callers_work_fails_the_tasks_not_yet_started_never_start(tmp_path: Path) -> None:
+    def task(i: int) -> int:
+        (tmp_path / str(i)).touch()
+        time.sleep(0.3)
+        return i
+
+    def fail() -> None:
+        raise KeyError("the whole model")
+
+    tasks = [functools.partial(task, i) for i in range(20)]
+    with pytest.raises(KeyError, match="the whole model"):
+        run_tasks_alongside(tasks, 2, fail)
+    started = len(list(tmp_path.iterdir()))
+    assert 1 <= started < len(tasks)  # those running (or handed to a worker) finish, the rest are dropped
 
 
 def test_the_default_is_the_cpus_this_process_may_use() -> None:
