@@ -8,8 +8,9 @@ with the range. Targets (the sizing issue): the 80-layer Llama of 70B shapes
 planned on dp=32 x tp=8 + SP within 15 s; ``--fit`` at seq 8192 on 256 x
 80 GiB within 60 s and on 1,024 x 80 GiB within 90 s; DeepSeek-V3 shapes
 on 256 x 141 GiB within 60 s. Then one in-process ``--fit`` per size with
-timers around its parts: the traced steps, the untraced dry runs that size
-the whole model, and the rest (meshes, candidates, ranking, the report).
+timers around its parts: the traced steps (the untraced dry runs that size
+the whole model run beside them, in this process), and the rest (meshes,
+candidates, ranking, the report).
 
 Run: ``PYTHONPATH=. python benchmarks/fit_scale.py [--gpus 8 64 256 1024] [--runs 3] [--skip-deepseek]``
 """
@@ -49,7 +50,8 @@ def _timed(argv: Sequence[str]) -> tuple[float, dict[str, Any]]:
 
 
 def _row(label: str, argv: Sequence[str], runs: int, target: float | None, count: Callable[[dict[str, Any]], str]) -> None:
-    walls, last = [], {}
+    walls: list[float] = []
+    last: dict[str, Any] = {}
     for _ in range(runs):
         wall, last = _timed(argv)
         walls.append(wall)
@@ -67,16 +69,17 @@ def _fit_counts(data: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def _stopwatch(module: Any, name: str, totals: dict[str, float]) -> Iterator[None]:
-    """Add the wall time of every call of ``module.name`` to ``totals[name]``."""
+def _stopwatch(module: Any, name: str, totals: dict[str, float], key: Callable[[], str]) -> Iterator[None]:
+    """Add the wall time of every call of ``module.name`` to ``totals[key()]`` (``key`` read as the call starts)."""
     original = getattr(module, name)
 
     def timed(*args: Any, **kwargs: Any) -> Any:
+        slot = key()
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
-            totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+            totals[slot] = totals.get(slot, 0.0) + time.perf_counter() - start
 
     setattr(module, name, timed)
     try:
@@ -86,24 +89,42 @@ def _stopwatch(module: Any, name: str, totals: dict[str, float]) -> Iterator[Non
 
 
 def _where(argv: Sequence[str]) -> str:
-    """One in-process --fit with its traces (in worker processes) and dry runs timed apart."""
+    """One in-process --fit with its pool phase (traces in worker processes, the
+    whole-model dry runs here beside them) and the other dry runs timed apart."""
     from fsdptx.cli import _fit, _run
     from fsdptx.cli._main import main
     from fsdptx.cli._workers import available_cpus
 
     totals: dict[str, float] = {}
+    phase = ["outside"]
+    alongside = getattr(_fit, "run_tasks_alongside")
+
+    def pool_phase(*args: Any, **kwargs: Any) -> Any:
+        phase[0] = "beside"
+        try:
+            return alongside(*args, **kwargs)
+        finally:
+            phase[0] = "outside"
+
     start = time.perf_counter()
-    with _stopwatch(_fit, "run_tasks", totals), _stopwatch(_run, "dry_run", totals):
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            main(["plan", *argv, "--json"])
+    setattr(_fit, "run_tasks_alongside", pool_phase)
+    try:
+        with _stopwatch(_fit, "run_tasks_alongside", totals, lambda: "pool"), _stopwatch(
+            _run, "dry_run", totals, lambda: f"dry_run {phase[0]}"
+        ):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                main(["plan", *argv, "--json"])
+    finally:
+        setattr(_fit, "run_tasks_alongside", alongside)
     total = time.perf_counter() - start
-    traced = totals.get("run_tasks", 0.0)
-    untraced = totals.get("dry_run", 0.0)  # the workers' own dry runs are not seen here: they are forked
-    rest = total - traced - untraced
+    pool = totals.get("pool", 0.0)
+    beside = totals.get("dry_run beside", 0.0)
+    outside = totals.get("dry_run outside", 0.0)
+    rest = total - pool - outside  # the workers' own dry runs are not seen here: they are forked
     return (
-        f"{total:.1f} s in process: traced steps {traced:.1f} s ({traced / total:.0%}, in {available_cpus()} "
-        f"processes), whole-model dry runs {untraced:.1f} s ({untraced / total:.0%}), the rest {rest:.1f} s "
-        f"({rest / total:.0%})"
+        f"{total:.1f} s in process: traced steps {pool:.1f} s ({pool / total:.0%}, in {available_cpus()} "
+        f"processes, the whole-model dry runs beside them here: {beside:.1f} s), other dry runs "
+        f"{outside:.1f} s, the rest {rest:.1f} s ({rest / total:.0%})"
     )
 
 
