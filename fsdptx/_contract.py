@@ -68,6 +68,7 @@ from .manager import FSDP2Config, FSDP2Manager, gradient_sync_context, patch_is_
 
 # cli: the dry run's memory estimate of one traced training step
 from .cli._memory import MemoryEstimate, estimate_memory
+from .cli._pipeline_memory import PipelineMemoryEstimate, PipelineRankMemory, estimate_pipeline_memory
 
 __all__ = [
     # core
@@ -147,5 +148,8 @@ __all__ = [
     "patch_is_packed_sequence",
     # cli
     "MemoryEstimate",
+    "PipelineMemoryEstimate",
+    "PipelineRankMemory",
     "estimate_memory",
+    "estimate_pipeline_memory",
 ]

@@ -211,10 +211,11 @@ def estimate_memory(
             ``cp`` > 1 ``seq`` not divisible by ``2 x cp`` (``2 x cp x tp``
             under sequence parallelism) or a model without attention
             layers to model, ``routing_skew`` below 1 or not finite, or
-            other than 1 without ``ep`` > 1, experts split across ``ep`` > 1
-            that are not transformers' fused experts modules (whose
-            dispatch the trace stands in for), or a plan with no FSDP unit
-            to track.
+            other than 1 without ``ep`` > 1, a manager that plans pipeline
+            stages (:func:`fsdptx.estimate_pipeline_memory` sizes those),
+            experts split across ``ep`` > 1 that are not transformers'
+            fused experts modules (whose dispatch the trace stands in for),
+            or a plan with no FSDP unit to track.
 
     Example::
 
@@ -245,6 +246,11 @@ def estimate_memory(
         raise ValueError(
             f"{where}: routing_skew={routing_skew!r} applies to experts split across ep > 1 ranks (their token "
             "dispatch); this manager's moe_mesh has no ep dim > 1"
+        )
+    if manager.config.pipeline_parallel is not None:
+        raise ValueError(
+            f"{where}: manager plans pipeline stages (FSDP2Config(pipeline_parallel=...)), whose ranks hold "
+            "different stages and micro-batches in flight; size them with fsdptx.estimate_pipeline_memory"
         )
     tp, cp = manager.dims.tp, manager.dims.cp
     if manager.config.sequence_parallel and tp > 1 and seq % tp:

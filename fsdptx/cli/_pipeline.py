@@ -55,7 +55,16 @@ from ._report import ParamShard
 from ._run import DryRun
 from ._stage_trace import TRACED_SCHEDULES, ActivationMeta, RankTrace, StageTrace, trace_rank, trace_stage
 
-__all__ = ["PipelineRun", "add_pipeline_arguments", "fit_schedules", "pipeline_config", "pipeline_dry_run", "run_pipeline_plan"]
+__all__ = [
+    "PipelineRun",
+    "add_pipeline_arguments",
+    "fit_schedules",
+    "pipeline_config",
+    "pipeline_dry_run",
+    "pipeline_dry_run_on",
+    "run_pipeline_plan",
+    "traced_peak",
+]
 
 Report = Callable[[str, Sequence[int], Sequence[str], DryRun, str], dict[str, Any]]
 """The CLI's report of one Plan (:func:`fsdptx.cli._main.report`), made here once per stage."""
@@ -223,63 +232,85 @@ def pipeline_dry_run(
     batch_given: bool = True,
     cp_rotate: str = "allgather",
 ) -> PipelineRun:
-    """Plan ``model`` with the manager (``config.pipeline_parallel`` set),
-    apply every stage on a fake mesh of ``shape``/``names`` within
-    :data:`fsdptx.cli._common.APPLY_BUDGET`, read each stage's rank-0
-    shards and, with ``batch_seq`` (sequences per data-parallel rank,
-    tokens per sequence), trace each stage's step at the micro-batch size;
-    without ``batch_given`` (no ``--batch``) one sequence per micro-batch.
-    With a ``cp`` dim each stage is traced at ``seq / cp`` tokens and ring
-    attention's buffers (``cp_rotate``) are added, as the unpipelined
-    step's are (:mod:`fsdptx.cli._cp`); the caller has checked that
-    ``seq`` splits."""
+    """:func:`pipeline_dry_run_on` with the manager of ``config`` on a fake
+    mesh of ``shape``/``names`` (the command line's dry run)."""
     from ..manager import FSDP2Manager
     from ..testing import fake_mesh
 
     with fake_mesh(shape, names) as mesh:
-        manager = FSDP2Manager(config, mesh)
-        dims = manager.dims
-        p = manager.plan(model)
-        pipeline = p.pipeline
-        assert pipeline is not None
-        if batch_seq is not None and not batch_given:
-            batch_seq = (pipeline.microbatches, batch_seq[1])
-        micro = _micro_batch(pipeline, batch_seq)
-        index = ModelIndex.build(model)
-        parts = PipelineParts.from_split(tuple(f for s in pipeline.stages for f in s.modules), pipeline.container)
-        num = len(pipeline.stages)
-        modules = [build_stage_module(model, index, parts, s.modules, s.index, num) for s in pipeline.stages]
-        n_params = sum(1 for _ in model.parameters())
-        has_units = any(s.plan.units for s in pipeline.stages)
-        has_tp = any(s.plan.tensor_parallel for s in pipeline.stages)
-        tp_cost = n_params * (dims.tp if dims.tp > 1 else 0)
-        fsdp_cost = n_params * (dims.dp_shard if has_units else 0)
-        if tp_cost + fsdp_cost <= APPLY_BUDGET:
-            for stage, module in zip(pipeline.stages, modules):
-                apply_plan(stage.plan, module, mesh)
-            applied = "full" if (has_units or has_tp) else "none"
-        elif tp_cost <= APPLY_BUDGET:
-            for stage, module in zip(pipeline.stages, modules):
-                bare = stage.plan.replace(units=(), prefetch=(), reduce_unused_params=False, expert_parallel=None)
-                apply_plan(bare, module, mesh)
-            applied = "tp" if has_tp else "computed"
+        return pipeline_dry_run_on(
+            FSDP2Manager(config, mesh), model, batch_seq=batch_seq, batch_given=batch_given, cp_rotate=cp_rotate
+        )
+
+
+def pipeline_dry_run_on(
+    manager: Any,
+    model: nn.Module,
+    *,
+    batch_seq: tuple[int, int] | None = None,
+    batch_given: bool = True,
+    cp_rotate: str = "allgather",
+    planned: Plan | None = None,
+) -> PipelineRun:
+    """Plan ``model`` with ``manager`` (``config.pipeline_parallel`` set, a
+    fake mesh with a ``pp`` dim), apply every stage on the mesh within
+    :data:`fsdptx.cli._common.APPLY_BUDGET`, read each stage's rank-0
+    shards and, with ``batch_seq`` (sequences per data-parallel rank,
+    tokens per sequence), trace each stage's step at the micro-batch size;
+    without ``batch_given`` one sequence per micro-batch. With a ``cp`` dim
+    each stage is traced at ``seq / cp`` tokens and ring attention's
+    buffers (``cp_rotate``) are added, as the unpipelined step's are
+    (:mod:`fsdptx.cli._cp`); the caller has checked that ``seq`` splits.
+
+    Everything that can refuse (the plan, the micro-batch split, the
+    schedule torch would refuse, a mesh too large to trace) does so before
+    the first stage is applied, so a refused call leaves ``model`` as it
+    was. ``planned``: ``manager.plan(model)`` when the caller has it.
+    """
+    mesh = manager.device_mesh
+    dims = manager.dims
+    p = manager.plan(model) if planned is None else planned
+    pipeline = p.pipeline
+    assert pipeline is not None
+    if batch_seq is not None and not batch_given:
+        batch_seq = (pipeline.microbatches, batch_seq[1])
+    micro = _micro_batch(pipeline, batch_seq)
+    index = ModelIndex.build(model)
+    parts = PipelineParts.from_split(tuple(f for s in pipeline.stages for f in s.modules), pipeline.container)
+    num = len(pipeline.stages)
+    modules = [build_stage_module(model, index, parts, s.modules, s.index, num) for s in pipeline.stages]  # pure
+    n_params = sum(1 for _ in model.parameters())
+    has_units = any(s.plan.units for s in pipeline.stages)
+    has_tp = any(s.plan.tensor_parallel for s in pipeline.stages)
+    tp_cost = n_params * (dims.tp if dims.tp > 1 else 0)
+    fsdp_cost = n_params * (dims.dp_shard if has_units else 0)
+    if tp_cost + fsdp_cost <= APPLY_BUDGET:
+        applied = "full" if (has_units or has_tp) else "none"
+    elif tp_cost <= APPLY_BUDGET:
+        applied = "tp" if has_tp else "computed"
+    else:
+        raise UsageError(
+            f"tp={dims.tp} over {n_params:,} parameters is more than the dry run simulates "
+            f"({APPLY_BUDGET:,} parameter shards); use a smaller tp"
+        )
+    if micro is not None:
+        _check_traceable(model, applied, dims)
+    _check_schedule(pipeline, modules, mesh)
+    for stage, module in zip(pipeline.stages, modules):
+        if applied in ("full", "none"):
+            apply_plan(stage.plan, module, mesh)
         else:
-            raise UsageError(
-                f"tp={dims.tp} over {n_params:,} parameters is more than the dry run simulates "
-                f"({APPLY_BUDGET:,} parameter shards); use a smaller tp"
-            )
-        _check_schedule(pipeline, modules, mesh)
-        shards = [
-            param_shards(module, s.plan, dims, fsdp_applied=applied == "full") for s, module in zip(pipeline.stages, modules)
-        ]
-        traces: list[StageTrace | None] = [None] * num
-        ranks: tuple[RankTrace, ...] = ()
-        if micro is not None:
-            _check_traceable(model, applied, dims)
-            if pipeline.stages_per_rank > 1:
-                ranks = _trace_ranks(model, pipeline, modules, micro, mesh, dims, cp_rotate)
-            else:
-                traces = list(_trace_stages(model, pipeline, modules, micro, mesh, dims, cp_rotate))
+            apply_plan(stage.plan.replace(units=(), prefetch=(), reduce_unused_params=False, expert_parallel=None), module, mesh)
+    shards = [
+        param_shards(module, s.plan, dims, fsdp_applied=applied == "full") for s, module in zip(pipeline.stages, modules)
+    ]
+    traces: list[StageTrace | None] = [None] * num
+    ranks: tuple[RankTrace, ...] = ()
+    if micro is not None:
+        if pipeline.stages_per_rank > 1:
+            ranks = _trace_ranks(model, pipeline, modules, micro, mesh, dims, cp_rotate)
+        else:
+            traces = list(_trace_stages(model, pipeline, modules, micro, mesh, dims, cp_rotate))
     stages = tuple(StageRun(s, sh, t) for s, sh, t in zip(pipeline.stages, shards, traces))
     return PipelineRun(plan=p, dims=dims, applied=applied, params=n_params, stages=stages, micro_batch=micro, ranks=ranks)
 
@@ -452,17 +483,25 @@ def _meta_json(meta: ActivationMeta | None) -> dict[str, Any] | None:
     return None if meta is None else {"shape": list(meta.shape), "dtype": str(meta.dtype).removeprefix("torch.")}
 
 
+def traced_peak(
+    t: StageTrace | RankTrace, shards: dict[str, ParamShard], micro: tuple[int, int], optimizer: str, *, offload: bool = False
+) -> tuple[MemoryEstimate, int]:
+    """One stage's (or one rank's) traced step as a :class:`MemoryEstimate`
+    of ``shards``, and the position of its peak among the trace's samples
+    (which micro-batch and stage ran then)."""
+    estimate = estimate_from_trace(t.trace, shards, batch=micro[0], seq=micro[1], optimizer=optimizer, offload=offload)
+    target = (0, 0, 0) if offload else steady_bytes(shards, optimizer)
+    _, position, _ = rescale(t.trace, traced=traced_steady(t.trace), target=target)
+    return estimate, position
+
+
 def _traced_json(
     t: StageTrace | RankTrace, shards: dict[str, ParamShard], micro: tuple[int, int], optimizer: str, offload: bool
 ) -> dict[str, Any]:
     """The traced figures of one stage (or one rank of several stages), in
     :class:`MemoryEstimate`'s keys plus the pipeline's own (in flight, per
     micro-batch, P2P buffers)."""
-    estimate: MemoryEstimate = estimate_from_trace(
-        t.trace, shards, batch=micro[0], seq=micro[1], optimizer=optimizer, offload=offload
-    )
-    target = (0, 0, 0) if offload else steady_bytes(shards, optimizer)
-    _, position, _ = rescale(t.trace, traced=traced_steady(t.trace), target=target)
+    estimate, position = traced_peak(t, shards, micro, optimizer, offload=offload)
     at = where_label(t.trace.samples[position])
     if isinstance(t, RankTrace):
         action = t.action_at(position)

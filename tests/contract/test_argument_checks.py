@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdptx
@@ -259,6 +260,11 @@ def _call_with(ctx: dict[str, Any], name: str) -> tuple[Callable[..., object], l
         "FSDP2Manager.gradient_sync_context": (manager.gradient_sync_context, [small(), False], {}),
         "gradient_sync_context": (fsdptx.gradient_sync_context, [small(), False], {"defer": True}),
         "estimate_memory": (fsdptx.estimate_memory, [manager, _meta_small()], {"batch": 1, "seq": 4, "optimizer": "adamw", "cp_rotate": "allgather", "routing_skew": 1.0}),
+        "estimate_pipeline_memory": (
+            fsdptx.estimate_pipeline_memory,
+            [fsdptx.FSDP2Manager(fsdptx.FSDP2Config(pipeline_parallel=fsdptx.PipelineParallelConfig()), ctx["pp_mesh"]), _meta_small()],
+            {"batch": 2, "seq": 4, "optimizer": "adamw", "cp_rotate": "allgather"},
+        ),
         "plan_pipeline": (
             fsdptx.plan_pipeline,
             [small(), fsdptx.shard_by_dtype, fsdptx.PipelineParallelConfig()],
@@ -336,6 +342,7 @@ ARGUMENTS: dict[str, tuple[str, ...]] = {
     "FSDP2Manager.gradient_sync_context": ("model", "is_optimizer_step"),
     "gradient_sync_context": ("model", "is_optimizer_step", "defer"),
     "estimate_memory": ("manager", "model", "batch", "seq", "optimizer", "cp_rotate", "routing_skew"),
+    "estimate_pipeline_memory": ("manager", "model", "batch", "seq", "optimizer", "cp_rotate"),
     "plan_pipeline": (
         "model", "transform", "config", "pp", "blocks", "mp_policy", "offload_policy", "reshard_after_forward", "index",
     ),
@@ -353,7 +360,7 @@ NOT_IN_THE_TABLE = frozenset(
     {
         "DEFAULT_MAX_BUFFER_BYTES", "PlanningError", "PlanMismatchError", "Checkpointing", "ExpertParallel", "Plan",
         "PlanDiff", "Prefetch", "Reduction", "TPAssignment", "TensorParallel", "Transform", "Unit", "Drift",
-        "ReplicaAudit", "MemoryEstimate", "clear_caches", "loss_parallel", "patch_is_packed_sequence", "FSDP2Config",
+        "ReplicaAudit", "MemoryEstimate", "PipelineMemoryEstimate", "PipelineRankMemory", "clear_caches", "loss_parallel", "patch_is_packed_sequence", "FSDP2Config",
         # Pipeline records and config (PipelineParallelConfig's fields: tests/manager/test_pipeline_refusals.py)
         # and the stages object parallelize returns.
         "Pipeline", "Stage", "PipelineParallelConfig", "PipelineStages",
@@ -376,7 +383,7 @@ def test_the_table_covers_every_argument_of_every_public_function() -> None:
 @pytest.fixture
 def ctx() -> Iterator[dict[str, Any]]:
     with fake_mesh((2, 2), ("dp", "tp")) as mesh:
-        yield {"mesh": mesh}
+        yield {"mesh": mesh, "pp_mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))}
 
 
 def _enter(result: object) -> None:
