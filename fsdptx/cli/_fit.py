@@ -86,7 +86,6 @@ __all__ = [
     "FitResult",
     "auto_ep_sizes",
     "evaluate",
-    "matmul_params",
     "meshes",
     "parse_fit",
     "parse_headroom",
@@ -163,13 +162,18 @@ def evaluate(
         tp_comm.append((traced.layers, traced.collective_bytes(shard, "tp")))
     params, grads, states = steady_bytes(full_shards, optimizer)
     comm: dict[str, int] = {}
-    gathered = reduced = 0.0
+    # FSDP gathers a dense unit over the shard (x cp) ranks; under ep > 1 an
+    # expert unit (planned whole) is split across ep first, so each rank
+    # gathers its 1/ep of it over the MoE mesh's ep_shard ranks.
+    groups = {"dp": (1, shard * cp), "moe": (ep, shard * tp // ep) if ep > 1 else (1, shard * cp)}
+    gathered = {mesh: 0.0 for mesh in groups}
+    reduced = {mesh: 0.0 for mesh in groups}
     for unit, traffic in zip(full_plan.units, step_traffic(full_plan)):
-        share = _tp_local_share(unit.params, full_shards, tp)
-        gathered += traffic.all_gather_bytes * share
-        reduced += traffic.reduce_scatter_bytes * share
-    comm["fsdp_all_gather"] = ring_bytes(gathered, shard * cp)
-    comm["fsdp_reduce_scatter"] = ring_bytes(reduced, shard * cp)
+        share = _tp_local_share(unit.params, full_shards, tp) / groups[unit.mesh][0]
+        gathered[unit.mesh] += traffic.all_gather_bytes * share
+        reduced[unit.mesh] += traffic.reduce_scatter_bytes * share
+    comm["fsdp_all_gather"] = sum(ring_bytes(gathered[m], n) for m, (_, n) in groups.items())
+    comm["fsdp_reduce_scatter"] = sum(ring_bytes(reduced[m], n) for m, (_, n) in groups.items())
     grad_numel = sum(s.local_numel for s in full_shards.values() if s.requires_grad)
     comm["hsdp_all_reduce"] = ring_bytes(4 * grad_numel, rep, 2)  # fp32, the dry run's reduce dtype
     comm["tp"] = ring_bytes(extrapolate(tp_comm, layers), tp)
@@ -201,19 +205,6 @@ def _tp_local_share(params: Sequence[str], shards: Mapping[str, ParamShard], tp:
     if whole == 0:
         return 1.0
     return sum(ceil_div(s.numel, tp) if s.tp_sharded else s.numel for s in known) / whole
-
-
-def matmul_params(model: nn.Module) -> int:
-    """Parameters that multiply activations, for the 6N rule: every distinct
-    parameter but an embedding table's, which a lookup reads without
-    FLOPs, unless another module (a tied head) uses it too."""
-    found: dict[int, int] = {}
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            continue
-        for p in module.parameters(recurse=False):
-            found[id(p)] = p.numel()
-    return sum(found.values())
 
 
 def search(
@@ -249,8 +240,9 @@ def search(
         optimizer: ``adamw``, ``sgd`` or ``none``.
         config: ``FSDP2Config`` with the dry run's fixed settings bound.
         hardware: what the step times are predicted on.
-        flops_params: the model's parameters that multiply
-            (:func:`matmul_params`), for its FLOPs per token.
+        flops_params: the parameters one token's matmuls multiply
+            (:func:`fsdptx.cli._compute_params.compute_params`), for its
+            FLOPs per token.
         headroom: bytes of ``budget`` left out of what a candidate may hold.
         ep_sizes: the expert-parallel sizes to try (1: experts in their
             blocks; ``N`` > 1: split across ``N`` ranks, on the MoE mesh

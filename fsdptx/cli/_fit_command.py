@@ -16,7 +16,8 @@ from torch import nn
 from ..core._sizes import format_bytes
 from ._common import UsageError, mp_policy
 from ._fit_dims import CP_MIN_SEQ, CP_SIZES, PP_SIZES, parse_ep, parse_sizes
-from ._fit import DEFAULT_HEADROOM, matmul_params, parse_fit, parse_headroom, search
+from ._compute_params import compute_params
+from ._fit import DEFAULT_HEADROOM, parse_fit, parse_headroom, search
 from ._hardware import DEFAULT_GPU, SELECTIVE_RECOMPUTE, hardware
 from ._pipeline import fit_schedules
 from ._workers import available_cpus
@@ -70,6 +71,7 @@ def run_fit(args: Any) -> str:
     def config(**kw: Any) -> FSDP2Config:
         return FSDP2Config(mp_policy=mp_policy(args.mp), **kw)
 
+    multiplied = compute_params(model)
     try:
         result = search(
             build,
@@ -81,7 +83,7 @@ def run_fit(args: Any) -> str:
             optimizer=args.optimizer,
             config=config,
             hardware=hw,
-            flops_params=matmul_params(model),
+            flops_params=multiplied.active,
             headroom=headroom,
             ep_sizes=ep_sizes,
             cp_sizes=cp_sizes,
@@ -116,6 +118,7 @@ def run_fit(args: Any) -> str:
             "optimizer": args.optimizer,
             "hardware": hw.to_json(),
             "time_model": TIME_MODEL,
+            "compute_params": multiplied.to_json(),
             "evaluated": len(result.candidates),
             "fitting_total": len(result.fitting),
             "fitting": [c.to_json() for c in shown],
@@ -133,6 +136,11 @@ def run_fit(args: Any) -> str:
         f"hardware: {hw.text()} (--gpu, --flops, --nvlink, --network, --pcie, --gpus-per-node, --mfu)",
         f"time model, a ranking aid and not a measurement: {TIME_MODEL}",
     ]
+    if multiplied.note:
+        lines.append(
+            f"compute counts N = {multiplied.active:,} of the {multiplied.total:,} parameters that multiply: "
+            f"{multiplied.note}"
+        )
     for i, c in enumerate(shown, 1):
         comm = ", ".join(f"{k} {format_bytes(v)}" for k, v in c.comm_bytes.items() if v)
         t = c.predicted
@@ -171,7 +179,8 @@ def run_fit(args: Any) -> str:
 
 
 TIME_MODEL = (
-    "compute = 6N FLOPs per token (N: the parameters that multiply; + 2N full checkpointing, "
+    "compute = 6N FLOPs per token (N: the parameters a token's matmuls multiply, routed experts at top_k / num_experts; "
+    "+ 2N full checkpointing, "
     f"+ {2 * SELECTIVE_RECOMPUTE:g}N selective) x batch x seq / (tp x cp x pp stages) over flops x mfu; TP collectives exposed; "
     "FSDP/HSDP collectives overlap compute (only what exceeds it counts); offload host copies exposed at PCIe "
     "(the host optimizer step not counted); CP ring and PP point-to-point traffic exposed; the pipeline bubble "
