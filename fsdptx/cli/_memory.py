@@ -232,14 +232,7 @@ def estimate_memory(
     require_module(model, "model", where)
     batch = require_positive_int(batch, "batch", where)
     seq = require_positive_int(seq, "seq", where)
-    if not isinstance(optimizer, str) or optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"{where}: optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
-    if any(p.device.type != "meta" for p in model.parameters()):
-        raise ValueError(f"{where} needs a model built on the meta device (with torch.device('meta'): ...)")
-    try:
-        vocab_size(model)
-    except TypeError as e:
-        raise TypeError(f"{where}: {e}") from None
+    check_step_arguments(model, optimizer, where)
     skew = check_routing_skew(routing_skew, where)
     ep = ep_size(manager.moe_mesh)
     if ep <= 1 and skew != 1:
@@ -252,17 +245,8 @@ def estimate_memory(
             f"{where}: manager plans pipeline stages (FSDP2Config(pipeline_parallel=...)), whose ranks hold "
             "different stages and micro-batches in flight; size them with fsdptx.estimate_pipeline_memory"
         )
+    check_seq_split(manager, seq, cp_rotate, where)
     tp, cp = manager.dims.tp, manager.dims.cp
-    if manager.config.sequence_parallel and tp > 1 and seq % tp:
-        raise ValueError(
-            f"{where}: seq={seq} is not divisible by the tensor-parallel size {tp}; sequence parallelism "
-            f"splits every sequence over the TP ranks: use a multiple of {tp}"
-        )
-    if not isinstance(cp_rotate, str) or cp_rotate not in ROTATE_METHODS:
-        raise ValueError(f"{where}: cp_rotate must be one of {', '.join(ROTATE_METHODS)}, got {cp_rotate!r}")
-    cp_error = cp_seq_error(seq, cp, tp, manager.config.sequence_parallel)
-    if cp_error is not None:
-        raise ValueError(f"{where}: {cp_error}")
     if cp > 1 and not attention_projections(model):
         raise ValueError(f"{where}: {no_attention_error(model)}")
     p = manager.plan(model)
@@ -292,6 +276,36 @@ def estimate_memory(
         ring = ring_attention(model, p, cp=cp, tp=tp, rotate_method=cp_rotate, batch=batch, seq=seq)
         trace = with_ring_buffers(trace, ring)
     return estimate_from_trace(trace, shards, batch=batch, seq=seq, optimizer=optimizer)
+
+
+def check_step_arguments(model: nn.Module, optimizer: object, where: str) -> None:
+    """What every traced estimate needs of its model and optimizer, checked
+    before the model is touched: a known optimizer, a model on the meta
+    device with a token embedding (the trace's input and loss)."""
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"{where}: optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError(f"{where} needs a model built on the meta device (with torch.device('meta'): ...)")
+    try:
+        vocab_size(model)
+    except TypeError as e:
+        raise TypeError(f"{where}: {e}") from None
+
+
+def check_seq_split(manager: Any, seq: int, cp_rotate: object, where: str) -> None:
+    """``seq`` split as ``manager``'s mesh splits it (over the TP ranks under
+    sequence parallelism; head-tail over ``2 x cp``) and a known ring rotation."""
+    tp, cp = manager.dims.tp, manager.dims.cp
+    if manager.config.sequence_parallel and tp > 1 and seq % tp:
+        raise ValueError(
+            f"{where}: seq={seq} is not divisible by the tensor-parallel size {tp}; sequence parallelism "
+            f"splits every sequence over the TP ranks: use a multiple of {tp}"
+        )
+    if not isinstance(cp_rotate, str) or cp_rotate not in ROTATE_METHODS:
+        raise ValueError(f"{where}: cp_rotate must be one of {', '.join(ROTATE_METHODS)}, got {cp_rotate!r}")
+    cp_error = cp_seq_error(seq, cp, tp, manager.config.sequence_parallel)
+    if cp_error is not None:
+        raise ValueError(f"{where}: {cp_error}")
 
 
 def expert_dispatch_problems(model: nn.Module, plan: Any) -> list[str]:

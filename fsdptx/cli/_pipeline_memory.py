@@ -21,12 +21,10 @@ from torch import nn
 from ..core._args import require_module, require_positive_int
 from ..core._meshes import ep_size
 from ._common import UsageError, _one_line
-from ._cp import ROTATE_METHODS, cp_seq_error
-from ._memory import MemoryEstimate
+from ._memory import MemoryEstimate, check_seq_split, check_step_arguments
 from ._pipeline import PipelineRun, pipeline_dry_run_on, traced_peak
-from ._report import OPTIMIZER_STATES, ParamShard
+from ._report import ParamShard
 from ._stage_trace import TRACED_SCHEDULES, RankTrace, StageTrace
-from ._trace import vocab_size
 
 __all__ = ["PipelineMemoryEstimate", "PipelineRankMemory", "estimate_pipeline_memory"]
 
@@ -185,10 +183,8 @@ def estimate_pipeline_memory(
     if batch is not None:
         batch = require_positive_int(batch, "batch", where)
     seq = require_positive_int(seq, "seq", where)
-    if not isinstance(optimizer, str) or optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"{where}: optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
-    if not isinstance(cp_rotate, str) or cp_rotate not in ROTATE_METHODS:
-        raise ValueError(f"{where}: cp_rotate must be one of {', '.join(ROTATE_METHODS)}, got {cp_rotate!r}")
+    check_step_arguments(model, optimizer, where)
+    check_seq_split(manager, seq, cp_rotate, where)
     if manager.config.pipeline_parallel is None:
         raise ValueError(
             f"{where}: manager plans no pipeline (FSDP2Config(pipeline_parallel=None)); size a job without "
@@ -199,22 +195,6 @@ def estimate_pipeline_memory(
             f"{where}: manager has a moe_mesh (ep={ep_size(manager.moe_mesh)}); experts on a MoE mesh are not traced "
             "inside pipeline stages: size them with fsdptx.estimate_memory on a mesh without pp"
         )
-    if any(p.device.type != "meta" for p in model.parameters()):
-        raise ValueError(f"{where} needs a model built on the meta device (with torch.device('meta'): ...)")
-    try:
-        vocab_size(model)
-    except TypeError as e:
-        raise TypeError(f"{where}: {e}") from None
-    tp, cp = manager.dims.tp, manager.dims.cp
-    sp = manager.config.sequence_parallel
-    if sp and tp > 1 and seq % tp:
-        raise ValueError(
-            f"{where}: seq={seq} is not divisible by the tensor-parallel size {tp}; sequence parallelism "
-            f"splits every sequence over the TP ranks: use a multiple of {tp}"
-        )
-    cp_error = cp_seq_error(seq, cp, tp, sp)
-    if cp_error is not None:
-        raise ValueError(f"{where}: {cp_error}")
     planned = manager.plan(model)  # pure: what the schedule and micro-batches are
     pipeline = planned.pipeline
     assert pipeline is not None  # the config asks for one
