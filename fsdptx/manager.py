@@ -196,10 +196,9 @@ class FSDP2Manager:
             return ()
         if self.config.expert_modules is not None:
             return tuple(self.config.expert_modules)
-        from .hf import hf_expert_modules
+        from .hf._declarations import expert_modules_of
 
-        declared = getattr(model, "_fsdptx_expert_modules", None)
-        return tuple(declared) if declared else hf_expert_modules(model)
+        return expert_modules_of(model)
 
     def plan(self, model: nn.Module) -> Plan:
         """The Plan :meth:`parallelize` will apply; pure, safe on a meta model.

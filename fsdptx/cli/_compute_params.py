@@ -90,10 +90,9 @@ def compute_params(model: nn.Module) -> ComputeParams:
 
 def _routed_experts(model: nn.Module) -> tuple[tuple[str, ...], list[nn.Module]]:
     """The globs naming the model's routed experts and the outermost modules they match."""
-    from ..hf import hf_expert_modules
+    from ..hf._declarations import expert_modules_of
 
-    declared = getattr(model, "_fsdptx_expert_modules", None)
-    globs = tuple(declared) if declared else hf_expert_modules(model)
+    globs = expert_modules_of(model)
     found: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         fqn = logical_fqn(name)

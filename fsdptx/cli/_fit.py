@@ -427,12 +427,11 @@ def auto_ep_sizes(model: nn.Module, plan: Callable[[], Plan]) -> tuple[int, ...]
     expert count of ``model`` (its experts as the manager finds them:
     declared, else transformers' plans; ``plan`` plans the model, called
     only when it has some); a model without experts: 1 alone."""
-    from ..hf import hf_expert_modules
+    from ..hf._declarations import expert_modules_of
     from ..model._index import PlanningError
     from ..plan.transforms import expert_parallel
 
-    declared = getattr(model, "_fsdptx_expert_modules", None)
-    globs = tuple(declared) if declared else hf_expert_modules(model)
+    globs = expert_modules_of(model)
     if not globs:
         return (1,)
     try:

@@ -82,6 +82,7 @@ from torch import nn
 from ..core._names import name_tokens as _names
 
 __all__ = [
+    "expert_modules_of",
     "hf_expert_modules",
     "hf_fp32_compute_tokens",
     "hf_replica_reductions",
@@ -214,3 +215,11 @@ def hf_expert_modules(model: nn.Module) -> tuple[str, ...]:
     found = {g for g, style in hf_tp_plan(model).items() if style in EXPERT_STYLES}
     found.update(g for g, style in _merged_plan(model, "_ep_plan").items() if style in EXPERT_STYLES)
     return tuple(sorted(found))
+
+
+def expert_modules_of(model: nn.Module) -> tuple[str, ...]:
+    """Globs of ``model``'s expert modules as the manager finds them by
+    default: the model's own ``_fsdptx_expert_modules``, else its
+    transformers plans' (:func:`hf_expert_modules`)."""
+    declared = getattr(model, "_fsdptx_expert_modules", None)
+    return tuple(declared) if declared else hf_expert_modules(model)
